@@ -1,0 +1,138 @@
+"""The engine performance model: how long a vLLM step takes, how much KV fits.
+
+Prefill follows Preble's fitted form, per request chunk (milliseconds)::
+
+    prefill(extend, ctx) = a + b*extend + c*ctx + d*extend*ctx
+
+where ``extend`` is the number of new tokens computed and ``ctx`` the tokens
+already in the KV cache before them. A decode step for a batch of ``bs``
+sequences holding ``ctx_total`` context tokens in all takes::
+
+    decode(bs, ctx_total) = e0 + e1*bs + e2*ctx_total
+
+A mixed step (chunked prefill + decodes, as vLLM's V1 scheduler builds them)
+pays the fixed cost once: ``max(a, e0)`` plus the variable parts of each.
+The same model prices steps in the simulator and in the emulator.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class PerfModel:
+    """One (model, GPU) performance profile. Times in the formulas are milliseconds."""
+
+    name: str
+    prefill_a: float
+    prefill_b: float
+    prefill_c: float = 0.0
+    prefill_d: float = 0.0
+    decode_e0: float = 10.0
+    decode_e1: float = 0.0
+    decode_e2: float = 0.0
+    block_size: int = 16
+    kv_capacity_blocks: int = 10_000
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 131_072
+    kv_bytes_per_token: int = 131_072
+    description: str = ""
+    sources: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "kv_capacity_blocks", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive in preset {self.name!r}")
+        for name in (
+            "prefill_a",
+            "prefill_b",
+            "prefill_c",
+            "prefill_d",
+            "decode_e0",
+            "decode_e1",
+            "decode_e2",
+        ):
+            value = getattr(self, name)
+            if value < 0 or not math.isfinite(value):
+                raise ValueError(f"{name} must be finite and >= 0 in preset {self.name!r}")
+
+    # -- formulas (seconds) -------------------------------------------------
+    def prefill_time(self, extend: int, ctx: int = 0) -> float:
+        """Seconds to prefill ``extend`` new tokens on top of ``ctx`` cached ones, alone."""
+        if extend <= 0:
+            return 0.0
+        return (self.prefill_a + self._prefill_var(extend, ctx)) / 1000.0
+
+    def decode_step_time(self, batch_size: int, ctx_total: int) -> float:
+        """Seconds for one decode step of ``batch_size`` sequences."""
+        if batch_size <= 0:
+            return 0.0
+        return (self.decode_e0 + self.decode_e1 * batch_size + self.decode_e2 * ctx_total) / 1000.0
+
+    def step_time(
+        self, chunks: Sequence[tuple[int, int]], decode_batch: int, decode_ctx: int
+    ) -> float:
+        """Seconds for one mixed step: prefill ``chunks`` of (extend, ctx) plus decodes."""
+        if not chunks and decode_batch <= 0:
+            return 0.0
+        fixed = 0.0
+        var = 0.0
+        if chunks:
+            fixed = self.prefill_a
+            for extend, ctx in chunks:
+                var += self._prefill_var(extend, ctx)
+        if decode_batch > 0:
+            fixed = max(fixed, self.decode_e0)
+            var += self.decode_e1 * decode_batch + self.decode_e2 * decode_ctx
+        return (fixed + var) / 1000.0
+
+    def decode_run_time(self, batch_size: int, ctx_total: int, steps: int) -> float:
+        """Seconds for ``steps`` consecutive decode steps of a fixed batch (context grows)."""
+        if steps <= 0 or batch_size <= 0:
+            return 0.0
+        per = self.decode_e0 + self.decode_e1 * batch_size + self.decode_e2 * ctx_total
+        growth = self.decode_e2 * batch_size * steps * (steps - 1) / 2.0
+        return (per * steps + growth) / 1000.0
+
+    def decode_steps_within(self, batch_size: int, ctx_total: int, budget_s: float) -> int:
+        """The largest number of decode steps that fit in ``budget_s`` seconds."""
+        if batch_size <= 0 or budget_s <= 0:
+            return 0
+        per = self.decode_e0 + self.decode_e1 * batch_size + self.decode_e2 * ctx_total
+        grow = self.decode_e2 * batch_size
+        budget = budget_s * 1000.0
+        if per <= 0:
+            return 1 << 30
+        if grow <= 0:
+            k = int(budget // per)
+        else:
+            # per*k + grow*k*(k-1)/2 <= budget  ->  grow/2 k^2 + (per - grow/2) k - budget <= 0
+            qa, qb = grow / 2.0, per - grow / 2.0
+            k = int((-qb + math.sqrt(qb * qb + 4 * qa * budget)) / (2 * qa))
+        while k > 0 and self.decode_run_time(batch_size, ctx_total, k) > budget_s:
+            k -= 1
+        while self.decode_run_time(batch_size, ctx_total, k + 1) <= budget_s:
+            k += 1
+        return k
+
+    def seconds_per_prefill_token(self, ctx: int = 0) -> float:
+        """Marginal prefill cost of one token at context ``ctx`` (for quick TTFT estimates)."""
+        return (self.prefill_b + self.prefill_d * ctx) / 1000.0
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.kv_capacity_blocks * self.block_size
+
+    def with_overrides(self, **changes: Any) -> PerfModel:
+        return replace(self, **changes)
+
+    def _prefill_var(self, extend: int, ctx: int) -> float:
+        return self.prefill_b * extend + self.prefill_c * ctx + self.prefill_d * extend * ctx

@@ -1,0 +1,255 @@
+"""The discrete-event simulator: a virtual clock, arrivals, policy decisions, engine steps.
+
+One :class:`Simulation` runs one policy over one workload on a cluster of
+:class:`~gateway.perfmodel.engine.EngineCore` instances. Events are arrivals
+(from the workload, in order) and engine step ends (from a heap). Ties go to
+engine events first, so a policy sees every step that ended by then. The run
+is deterministic for a seed: nothing reads a real clock except the optional
+``timer`` used to measure how long each routing decision takes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+
+from gateway.core.types import ClusterView, EngineView, RequestInfo
+from gateway.perfmodel.engine import EngineCore, EngineRequest, StepOutcome
+from gateway.perfmodel.model import PerfModel
+from gateway.policies.base import Policy
+from gateway.policies.dispatcher import Dispatcher
+from gateway.sim.workloads import Workload, WorkloadRequest
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """The simulated cluster: ``instances`` identical engines of one perf model."""
+
+    instances: int
+    perf: PerfModel
+    priority_groups: bool = False
+    max_decode_run: int = 256
+
+    def __post_init__(self) -> None:
+        if self.instances <= 0:
+            raise ValueError("instances must be positive")
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What happened to one request."""
+
+    source: WorkloadRequest
+    info: RequestInfo
+    engine: str = ""
+    rejected: str | None = None
+    cached_tokens: int = 0
+    expected_hit_tokens: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        t = self.first_token_time
+        return None if t is None else t - self.source.arrival
+
+    @property
+    def e2e(self) -> float | None:
+        t = self.finish_time
+        return None if t is None else t - self.source.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean seconds per output token after the first (None for one-token outputs)."""
+        if self.finish_time is None or self.first_token_time is None:
+            return None
+        n = self.source.output_tokens
+        return None if n <= 1 else (self.finish_time - self.first_token_time) / (n - 1)
+
+
+@dataclass(slots=True)
+class SimRun:
+    """The outcome of one simulation."""
+
+    policy: str
+    records: list[RequestRecord]
+    load_cv: list[tuple[float, float]] = field(default_factory=list)
+    decision_seconds: list[float] = field(default_factory=list)
+    preemptions: int = 0
+    engine_steps: int = 0
+    events: int = 0
+    end_time: float = 0.0
+
+
+class Simulation:
+    """Runs one policy over one workload on a simulated cluster."""
+
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        policy: Policy,
+        workload: Workload,
+        *,
+        timer: Callable[[], float] | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.workload = workload
+        self.policy = policy
+        self.dispatcher = Dispatcher(policy, timer=timer)
+        self.engines = [
+            EngineCore(
+                f"sim-{i}",
+                cluster.perf,
+                priority_groups=cluster.priority_groups,
+                track_cache_events=policy.wants_cache_events,
+                max_decode_run=cluster.max_decode_run,
+            )
+            for i in range(cluster.instances)
+        ]
+        self._index = {e.id: i for i, e in enumerate(self.engines)}
+        self._versions = [0] * len(self.engines)
+        self._heap: list[tuple[float, int, int, int]] = []
+        self._seq = 0
+
+    def run(self) -> SimRun:
+        reqs = self.workload.requests
+        block_size = self.workload.block_size
+        records: list[RequestRecord] = []
+        out = SimRun(policy=self.policy.name, records=records)
+        heap = self._heap
+        n = len(reqs)
+        ai = 0
+        while ai < n or heap:
+            next_arrival = reqs[ai].arrival if ai < n else math.inf
+            if heap and heap[0][0] <= next_arrival:
+                t, _, idx, version = heapq.heappop(heap)
+                if version != self._versions[idx]:
+                    continue
+                out.events += 1
+                engine = self.engines[idx]
+                self._apply(engine, engine.finish_step(), t)
+                self._start(idx, t, next_arrival)
+                continue
+            src = reqs[ai]
+            ai += 1
+            out.events += 1
+            horizon = reqs[ai].arrival if ai < n else math.inf
+            record = self._arrive(src, block_size, out)
+            records.append(record)
+            if record.rejected is None:
+                idx = self._index[record.engine]
+                engine = self.engines[idx]
+                if engine.busy:
+                    self._interrupt(idx, src.arrival)
+                else:
+                    self._start(idx, src.arrival, horizon)
+        out.decision_seconds = self.dispatcher.times.samples
+        out.preemptions = sum(e.preemptions for e in self.engines)
+        out.engine_steps = sum(e.steps for e in self.engines)
+        out.end_time = max((r.finish_time or 0.0 for r in records), default=0.0)
+        return out
+
+    # -- events ----------------------------------------------------------------
+    def _arrive(self, src: WorkloadRequest, block_size: int, out: SimRun) -> RequestRecord:
+        now = src.arrival
+        out.load_cv.append((now, load_cv(e.pending_prefill_tokens for e in self.engines)))
+        info = RequestInfo(
+            id=src.id,
+            block_hashes=src.block_hashes,
+            prompt_tokens=src.prompt_tokens,
+            arrival=now,
+            block_size=block_size,
+            slo=src.slo,
+        )
+        record = RequestRecord(source=src, info=info)
+        decision = self.dispatcher.route(info, self._view(), now)
+        record.engine = decision.engine
+        record.expected_hit_tokens = decision.expected_hit_tokens
+        engine = self.engines[self._index[decision.engine]]
+        reason = engine.admissible(src.prompt_tokens, src.output_tokens)
+        if reason is not None:
+            record.rejected = reason
+            self.dispatcher.finished(info, decision.engine, now, ok=False)
+            return record
+        engine.submit(
+            EngineRequest(
+                id=src.id,
+                prompt_tokens=src.prompt_tokens,
+                block_hashes=src.block_hashes,
+                output_tokens=src.output_tokens,
+                arrival=now,
+                payload=record,
+            )
+        )
+        return record
+
+    def _apply(self, engine: EngineCore, step: StepOutcome, now: float) -> None:
+        dispatcher = self.dispatcher
+        for req in step.first_tokens:
+            record = _record(req)
+            record.first_token_time = req.first_token_time
+            record.cached_tokens = req.cached_tokens or 0
+            dispatcher.first_token(record.info, engine.id, now)
+        for req in step.finished:
+            record = _record(req)
+            record.finish_time = req.finish_time
+            record.preemptions = req.preemptions
+            done = replace(record.info, output_tokens=req.num_output)
+            dispatcher.finished(done, engine.id, now, ok=True)
+        if step.stored or step.removed:
+            dispatcher.cache_event(engine.id, step.stored, step.removed)
+
+    def _start(self, idx: int, now: float, horizon: float) -> None:
+        end = self.engines[idx].start_step(now, horizon)
+        if end is not None:
+            self._push(idx, end)
+
+    def _interrupt(self, idx: int, now: float) -> None:
+        engine = self.engines[idx]
+        before = engine.step_end
+        end = engine.interrupt(now)
+        if end is not None and end != before:
+            self._push(idx, end)
+
+    def _push(self, idx: int, end: float) -> None:
+        self._versions[idx] += 1
+        self._seq += 1
+        heapq.heappush(self._heap, (end, self._seq, idx, self._versions[idx]))
+
+    def _view(self) -> ClusterView:
+        in_flight = self.dispatcher.in_flight
+        return ClusterView(
+            tuple(
+                EngineView(
+                    id=e.id,
+                    num_waiting=e.num_waiting,
+                    num_running=e.num_running,
+                    pending_prefill_tokens=e.pending_prefill_tokens,
+                    kv_usage=e.kv_usage,
+                    kv_capacity_blocks=e.pool.capacity,
+                    in_flight=in_flight.get(e.id, 0),
+                )
+                for e in self.engines
+            )
+        )
+
+
+def _record(req: EngineRequest) -> RequestRecord:
+    record = req.payload
+    assert isinstance(record, RequestRecord)
+    return record
+
+
+def load_cv(values: Iterable[float]) -> float:
+    """Coefficient of variation (population std / mean); 0 when the mean is 0."""
+    xs = list(values)
+    if not xs:
+        return 0.0
+    mean = sum(xs) / len(xs)
+    if mean <= 0:
+        return 0.0
+    var = sum((x - mean) ** 2 for x in xs) / len(xs)
+    return float(math.sqrt(var) / mean)

@@ -1,0 +1,184 @@
+"""Run several policies over one workload, optionally searching each one's capacity."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.policies.base import PolicyContext
+from gateway.policies.registry import create_policy
+from gateway.sim.loop import ClusterSpec, SimRun, Simulation
+from gateway.sim.metrics import cache_hit_upper_bound, slo_attainment, summarize
+from gateway.sim.workloads import Workload
+
+Progress = Callable[[str], None]
+
+CAPACITY_TARGET = 0.9
+"""Effective request capacity: the highest rate at which this share of requests meets its SLO."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimulateOptions:
+    policies: Sequence[str]
+    cluster: ClusterSpec
+    seed: int = 0
+    capacity: bool = False
+    capacity_target: float = CAPACITY_TARGET
+    capacity_steps: int = 6
+    policy_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class SimulateResult:
+    """``results`` is the JSON document; ``runs`` keep per-request data for plots."""
+
+    results: dict[str, Any]
+    runs: dict[str, SimRun]
+
+
+def run_policy(
+    name: str,
+    workload: Workload,
+    cluster: ClusterSpec,
+    *,
+    seed: int = 0,
+    options: Mapping[str, Any] | None = None,
+    timer: Callable[[], float] | None = None,
+) -> SimRun:
+    """One simulation of policy ``name`` with a fresh policy object."""
+    ctx = PolicyContext(seed=seed, block_size=workload.block_size, perf=cluster.perf)
+    policy = create_policy(name, ctx, options)
+    return Simulation(cluster, policy, workload, timer=timer).run()
+
+
+def capacity_search(
+    name: str,
+    workload: Workload,
+    cluster: ClusterSpec,
+    *,
+    seed: int = 0,
+    options: Mapping[str, Any] | None = None,
+    target: float = CAPACITY_TARGET,
+    steps: int = 6,
+    first: SimRun | None = None,
+) -> tuple[float, int]:
+    """Highest arrival rate (req/s) with SLO attainment >= ``target``, and runs used.
+
+    Scales the workload's arrival times: doubles or halves from 1x to bracket
+    the target, then bisects ``steps`` times. Returns (0.0, runs) when even
+    1/64 of the rate misses the target.
+    """
+    base = workload.rate
+    runs = 0
+
+    def ok(factor: float) -> bool:
+        nonlocal runs
+        if factor == 1.0 and first is not None:
+            return slo_attainment(first) >= target
+        runs += 1
+        run = run_policy(name, workload.scaled(factor), cluster, seed=seed, options=options)
+        return slo_attainment(run) >= target
+
+    if base <= 0:
+        return 0.0, runs
+    lo, hi = 1.0, 2.0
+    if ok(1.0):
+        while ok(hi):
+            lo, hi = hi, hi * 2
+            if hi > 64:
+                return base * lo, runs
+    else:
+        hi, lo = 1.0, 0.5
+        while not ok(lo):
+            hi, lo = lo, lo / 2
+            if lo < 1 / 64:
+                return 0.0, runs
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return base * lo, runs
+
+
+def simulate(
+    workload: Workload,
+    opts: SimulateOptions,
+    *,
+    progress: Progress | None = None,
+    timer: Callable[[], float] | None = None,
+    preset_name: str | None = None,
+) -> SimulateResult:
+    """Run every policy in ``opts`` and assemble ``results.json``."""
+    say = progress or (lambda _msg: None)
+    cluster = opts.cluster
+    reason = _admission_checker(cluster)
+    results: dict[str, Any] = {
+        "workload": workload.name,
+        "instances": cluster.instances,
+        "preset": preset_name or cluster.perf.name,
+        "seed": opts.seed,
+        "requests": len(workload),
+        "block_size": workload.block_size,
+        "rate_rps": workload.rate,
+        "cache_hit_upper_bound": cache_hit_upper_bound(
+            workload, lambda r: reason(r.prompt_tokens, r.output_tokens) is None
+        ),
+        "policies": {},
+    }
+    runs: dict[str, SimRun] = {}
+    total = len(opts.policies)
+    for i, name in enumerate(opts.policies, start=1):
+        options = opts.policy_options.get(name)
+        run = run_policy(name, workload, cluster, seed=opts.seed, options=options, timer=timer)
+        summary = summarize(run)
+        if opts.capacity:
+            cap, probes = capacity_search(
+                name,
+                workload,
+                cluster,
+                seed=opts.seed,
+                options=options,
+                target=opts.capacity_target,
+                steps=opts.capacity_steps,
+                first=run,
+            )
+            summary["capacity_rps"] = cap
+            summary["capacity_runs"] = probes
+        runs[name] = run
+        results["policies"][name] = summary
+        say(_progress_line(i, total, name, summary))
+    return SimulateResult(results=results, runs=runs)
+
+
+def _admission_checker(cluster: ClusterSpec) -> Callable[[int, int], str | None]:
+    from gateway.perfmodel.engine import EngineCore
+
+    probe = EngineCore("probe", cluster.perf)
+    return probe.admissible
+
+
+def _progress_line(i: int, total: int, name: str, s: Mapping[str, Any]) -> str:
+    def fmt(v: Any, unit: str = "s") -> str:
+        return "-" if v is None else f"{v:.3f}{unit}"
+
+    line = (
+        f"[{i}/{total}] {name}: {s['completed']}/{s['requests']} done, "
+        f"hit {s['cache_hit_rate']:.1%}, TTFT p50 {fmt(s['ttft_p50'])} p99 {fmt(s['ttft_p99'])}, "
+        f"goodput {s['goodput']:.1%}, load CV {s['load_cv_mean']:.2f}"
+    )
+    if s.get("capacity_rps") is not None:
+        line += f", capacity {s['capacity_rps']:.2f} req/s"
+    return line
+
+
+def deterministic_view(results: Mapping[str, Any]) -> dict[str, Any]:
+    """``results`` without the fields measured in real time (decision timing)."""
+    out = dict(results)
+    out["policies"] = {
+        name: {k: v for k, v in pol.items() if not k.startswith("decision_us")}
+        for name, pol in results["policies"].items()
+    }
+    return out
