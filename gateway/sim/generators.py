@@ -1,0 +1,294 @@
+"""Parametric workload generators, modelled on the workloads of Preble's evaluation.
+
+Use them as ``gen:NAME?key=value&...``. Every generator accepts ``n`` (requests,
+default 1000), ``seed`` (default: the options' seed), ``rate`` (req/s; sessions/s
+for ``multi_turn``), ``arrival`` (``poisson`` or ``gamma``) and ``cv`` (gamma
+only, default 2.0); see :mod:`gateway.sim.arrivals`. Its own parameters:
+
+============  ===========================================================  ====
+generator     parameters (defaults)                                        rate
+============  ===========================================================  ====
+tool_use      tools=20 tool_tokens=2000 query_tokens=200 output_tokens=60   8
+              zipf=1.1
+long_doc_qa   docs=30 doc_tokens=8000 question_tokens=60 output_tokens=40   4
+              zipf=0 (uniform)
+multi_turn    systems=4 system_tokens=500 turns=5 user_tokens=150           1
+              output_tokens=200 think=10
+zipf_hotspot  prefixes=50 prefix_tokens=4000 suffix_tokens=200              6
+              output_tokens=100 zipf=1.5
+no_sharing    prompt_tokens=1000 output_tokens=128                          4
+============  ===========================================================  ====
+
+Prompts are lists of ``(segment_id, length)`` pieces (see
+:func:`~gateway.core.blocks.hashes_from_segments`): shared content (a tool
+prompt, a document, a system prompt, a hot prefix, a conversation's history)
+reuses a segment id, everything else gets a fresh one. Lengths of shared
+content are drawn once per item, uniformly within ±50% of the mean; per-request
+lengths (queries, suffixes, outputs, unique prompts) are lognormal with the
+given mean and σ = 0.5. Every length is clipped to [1, 32768]. Popularity is
+Zipf: item ``k`` (from 0) has weight ``1 / (k + 1) ** zipf`` (``zipf=0`` is
+uniform). ``multi_turn`` picks one of ``systems`` system prompts uniformly per
+session and draws session lengths from a geometric law of mean ``turns``; the
+next turn arrives an exponential ``think`` time (mean, seconds) after the
+previous one's arrival, and a session stops early once its prompt would exceed
+32768 tokens. Its ``n`` counts requests (turns), not sessions.
+
+Generators are deterministic: content comes from ``Random(f"{seed}:{name}")``
+and timing from a second stream, so changing the arrival process keeps the
+prompts.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from gateway.core.blocks import hashes_from_segments
+from gateway.sim.arrivals import ARRIVAL_PARAMS, arrivals_from_params
+from gateway.sim.workloads import (
+    GeneratorFn,
+    WorkloadOptions,
+    WorkloadRequest,
+    check_params,
+    float_param,
+    int_param,
+)
+
+MAX_TOKENS = 32768
+"""Upper clip of every drawn length (and of a multi-turn prompt)."""
+
+COMMON_PARAMS = ("n", "seed", *ARRIVAL_PARAMS)
+DEFAULT_N = 1000
+_SIGMA = 0.5
+
+Piece = tuple[int, int]
+"""A prompt piece: ``(segment_id, length)``."""
+
+
+class SegmentIds:
+    """Fresh segment ids for one workload, tagged so that workloads do not collide."""
+
+    def __init__(self, tag: str) -> None:
+        self._base = zlib.crc32(tag.encode("utf-8")) << 32
+        self._next = 0
+
+    def fresh(self) -> int:
+        self._next += 1
+        return self._base + self._next
+
+
+def zipf_cum_weights(count: int, exponent: float) -> list[float]:
+    """Cumulative Zipf weights of ``count`` items, for :meth:`random.Random.choices`."""
+    out: list[float] = []
+    total = 0.0
+    for k in range(count):
+        total += (k + 1.0) ** -exponent  # underflows to 0 rather than overflowing
+        out.append(total)
+    return out
+
+
+def spread_len(rng: random.Random, mean: int) -> int:
+    """A length uniform within ±50% of ``mean``, clipped to [1, MAX_TOKENS]."""
+    lo = min(max(1, mean - mean // 2), MAX_TOKENS)
+    hi = max(lo, min(mean + mean // 2, MAX_TOKENS))
+    return rng.randint(lo, hi)
+
+
+def skewed_len(rng: random.Random, mean: int) -> int:
+    """A lognormal length of mean ``mean`` (σ = 0.5), clipped to [1, MAX_TOKENS]."""
+    value = rng.lognormvariate(math.log(mean) - _SIGMA * _SIGMA / 2, _SIGMA)
+    return max(1, min(MAX_TOKENS, round(value)))
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    fn: _Body
+    rate: float
+    defaults: Mapping[str, int | float]
+
+
+@dataclass(slots=True)
+class _Draft:
+    arrival: float
+    pieces: list[Piece]
+    output_tokens: int
+    session: str | None = None
+
+
+@dataclass(slots=True)
+class _Setup:
+    name: str
+    params: Mapping[str, str]
+    defaults: Mapping[str, int | float]
+    n: int
+    rng: random.Random
+    times: random.Random
+    ids: SegmentIds
+    arrivals: list[float]
+
+    def get_int(self, key: str, minimum: int = 1) -> int:
+        return int_param(self.params, key, int(self.defaults[key]), minimum=minimum)
+
+    def get_float(self, key: str) -> float:
+        """A float parameter; infinity is capped at 1e9."""
+        return min(float_param(self.params, key, float(self.defaults[key])), 1e9)
+
+    def shared(self, count: int, mean: int) -> list[Piece]:
+        """``count`` shared items, each with its own id and fixed length."""
+        return [(self.ids.fresh(), spread_len(self.rng, mean)) for _ in range(count)]
+
+    def unique(self, mean: int) -> Piece:
+        return (self.ids.fresh(), skewed_len(self.rng, mean))
+
+    def pick(self, items: Sequence[Piece], cum_weights: list[float]) -> Piece:
+        return self.rng.choices(items, cum_weights=cum_weights)[0]
+
+
+_Body = Callable[[_Setup], list[_Draft]]
+
+
+def _prefixed(items: str, item_tokens: str, tail_tokens: str, doc: str) -> _Body:
+    """A generator body: a Zipf-popular shared item, then a unique tail."""
+
+    def body(s: _Setup) -> list[_Draft]:
+        shared = s.shared(s.get_int(items), s.get_int(item_tokens))
+        weights = zipf_cum_weights(len(shared), s.get_float("zipf"))
+        tail, out = s.get_int(tail_tokens), s.get_int("output_tokens")
+        return [
+            _Draft(t, [s.pick(shared, weights), s.unique(tail)], skewed_len(s.rng, out))
+            for t in s.arrivals
+        ]
+
+    body.__doc__ = doc
+    return body
+
+
+_tool_use = _prefixed(
+    "tools", "tool_tokens", "query_tokens", "Shared tool prompts (Zipf), a unique query."
+)
+_long_doc_qa = _prefixed(
+    "docs", "doc_tokens", "question_tokens", "Many questions about a few long documents."
+)
+_zipf_hotspot = _prefixed(
+    "prefixes", "prefix_tokens", "suffix_tokens", "Hot shared prefixes (strong Zipf skew)."
+)
+
+
+def _no_sharing(s: _Setup) -> list[_Draft]:
+    """Every prompt unique."""
+    prompt, out = s.get_int("prompt_tokens"), s.get_int("output_tokens")
+    return [_Draft(t, [s.unique(prompt)], skewed_len(s.rng, out)) for t in s.arrivals]
+
+
+def _multi_turn(s: _Setup) -> list[_Draft]:
+    """Conversations: each turn's prompt is the previous prompt + answer + a new message."""
+    systems = s.shared(s.get_int("systems"), s.get_int("system_tokens"))
+    turns, user, out = s.get_int("turns"), s.get_int("user_tokens"), s.get_int("output_tokens")
+    think = s.get_float("think")
+    stop = 1.0 / turns
+    drafts: list[_Draft] = []
+    for j, start in enumerate(s.arrivals):
+        if len(drafts) >= s.n:
+            break
+        history = [s.rng.choice(systems)]
+        size = history[0][1]
+        t = start
+        for k in range(s.n - len(drafts)):
+            message = s.unique(user)
+            if k and size + message[1] > MAX_TOKENS:
+                break
+            history.append(message)
+            size += message[1]
+            answer = skewed_len(s.rng, out)
+            drafts.append(_Draft(t, list(history), answer, session=f"{s.name}-s{j}"))
+            history.append((s.ids.fresh(), answer))
+            size += answer
+            if s.rng.random() < stop:
+                break
+            t += s.times.expovariate(1.0 / think) if think > 0 else 0.0
+    return drafts
+
+
+_SPECS: dict[str, _Spec] = {
+    "tool_use": _Spec(
+        _tool_use,
+        8.0,
+        {"tools": 20, "tool_tokens": 2000, "query_tokens": 200, "output_tokens": 60, "zipf": 1.1},
+    ),
+    "long_doc_qa": _Spec(
+        _long_doc_qa,
+        4.0,
+        {"docs": 30, "doc_tokens": 8000, "question_tokens": 60, "output_tokens": 40, "zipf": 0.0},
+    ),
+    "multi_turn": _Spec(
+        _multi_turn,
+        1.0,
+        {
+            "systems": 4,
+            "system_tokens": 500,
+            "turns": 5,
+            "user_tokens": 150,
+            "output_tokens": 200,
+            "think": 10.0,
+        },
+    ),
+    "zipf_hotspot": _Spec(
+        _zipf_hotspot,
+        6.0,
+        {
+            "prefixes": 50,
+            "prefix_tokens": 4000,
+            "suffix_tokens": 200,
+            "output_tokens": 100,
+            "zipf": 1.5,
+        },
+    ),
+    "no_sharing": _Spec(_no_sharing, 4.0, {"prompt_tokens": 1000, "output_tokens": 128}),
+}
+
+
+def _make(name: str, spec: _Spec) -> GeneratorFn:
+    def generate(params: Mapping[str, str], options: WorkloadOptions) -> list[WorkloadRequest]:
+        check_params(params, (*COMMON_PARAMS, *spec.defaults), f"gen:{name}")
+        n = int_param(params, "n", DEFAULT_N, minimum=1)
+        seed = int_param(params, "seed", options.seed)
+        times = random.Random(f"{seed}:{name}:arrivals")
+        setup = _Setup(
+            name=name,
+            params=params,
+            defaults=spec.defaults,
+            n=n,
+            rng=random.Random(f"{seed}:{name}"),
+            times=times,
+            ids=SegmentIds(f"{name}:{seed}"),
+            arrivals=arrivals_from_params(params, n, spec.rate, times),
+        )
+        drafts = spec.fn(setup)
+        drafts.sort(key=lambda d: d.arrival)
+        slo = options.default_class
+        return [
+            WorkloadRequest(
+                id=f"{name}-{i}",
+                arrival=d.arrival,
+                prompt_tokens=sum(length for _, length in d.pieces),
+                output_tokens=d.output_tokens,
+                block_hashes=hashes_from_segments(d.pieces, options.block_size),
+                slo=slo,
+                session=d.session,
+            )
+            for i, d in enumerate(drafts)
+        ]
+
+    generate.__name__ = f"gen_{name}"
+    generate.__doc__ = spec.fn.__doc__
+    return generate
+
+
+GENERATORS: Mapping[str, GeneratorFn] = MappingProxyType(
+    {name: _make(name, spec) for name, spec in _SPECS.items()}
+)
+"""Generator name -> function ``(params, options) -> requests``, in arrival order."""
