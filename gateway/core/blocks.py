@@ -81,7 +81,7 @@ def hashes_from_trace(
     block_size: int,
     *,
     trace_block: int = TRACE_BLOCK_TOKENS,
-    memo: MutableMapping[int, tuple[int, ...]] | None = None,
+    memo: MutableMapping[tuple[int, int, int], tuple[int, ...]] | None = None,
 ) -> tuple[int, ...]:
     """Engine-block hashes for a trace prompt given as ``trace_block``-token prefix ids.
 
@@ -117,17 +117,21 @@ _M64 = 0xFFFFFFFFFFFFFFFF
 
 
 def _trace_subhashes(
-    trace_id: int, position: int, per: int, memo: MutableMapping[int, tuple[int, ...]] | None
+    trace_id: int,
+    position: int,
+    per: int,
+    memo: MutableMapping[tuple[int, int, int], tuple[int, ...]] | None,
 ) -> tuple[int, ...]:
+    key = (trace_id, position, per)
     if memo is not None:
-        cached = memo.get(trace_id)
+        cached = memo.get(key)
         if cached is not None:
             return cached
     base = per * position
     tag = _TRACE_TAG ^ (trace_id & _M64)
     subs = tuple(_xxh(_PAIR.pack(tag, base + i)) for i in range(per))
     if memo is not None:
-        memo[trace_id] = subs
+        memo[key] = subs
     return subs
 
 

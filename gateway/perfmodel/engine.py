@@ -42,6 +42,7 @@ class EngineRequest:
     anon: int = 0
     next_block: int = 0
     est_uncached: int = 0
+    prefill_pending: int = 0
     hit_ratio: float = 0.0
     preemptions: int = 0
     aborted: bool = False
@@ -115,6 +116,7 @@ class EngineCore:
         self.model = model
         self.pool = BlockPool(model.kv_capacity_blocks, track_events=track_cache_events)
         self.waiting: WaitQueue = PriorityGroupQueue() if priority_groups else FcfsQueue()
+        self._rotating = priority_groups
         self.running: list[EngineRequest] = []
         self.max_decode_run = max(1, max_decode_run)
         self.steps = 0
@@ -234,6 +236,8 @@ class EngineCore:
             raise RuntimeError(f"engine {self.id}: no step planned")
         self._plan = None
         self.steps += plan.steps
+        if plan.steps > 1:
+            self.waiting.skip_steps(plan.steps - 1)
         out = StepOutcome(start=plan.start, end=plan.end, steps=plan.steps)
         out.preempted = plan.preempted
         bs = self.model.block_size
@@ -247,13 +251,14 @@ class EngineCore:
                 out.decode_tokens += plan.steps
                 out.tokens.append((req, plan.steps))
             else:
-                was_decode = req.decoding
-                req.num_computed += n
-                if was_decode:
+                if req.decoding:
                     out.decode_tokens += 1
                 else:
                     out.prefill_tokens += n
-                    self._running_pending -= n
+                done = min(n, req.prefill_pending)
+                req.prefill_pending -= done
+                self._running_pending -= done
+                req.num_computed += n
                 # register newly completed prompt blocks in the prefix cache
                 limit = min(len(req.block_hashes), req.num_computed // bs)
                 if req.next_block < limit:
@@ -338,7 +343,8 @@ class EngineCore:
                     req.cached_tokens = computed
                     req.first_scheduled = now
                 self._waiting_pending -= req.est_uncached
-                self._running_pending += req.prefill_left
+                req.prefill_pending = req.prefill_left
+                self._running_pending += req.prefill_pending
                 running.append(req)
                 items.append((req, n))
                 budget -= n
@@ -356,7 +362,10 @@ class EngineCore:
             else:
                 chunks.append((n, req.num_computed))
         end = now + model.step_time(chunks, batch, ctx)
-        decode_only = not chunks and not preempted and (len(self.waiting) == 0 or admission_blocked)
+        # A run skips admission attempts; that is exact only while the same head-of-line
+        # request stays blocked (FCFS). Priority groups rotate the head every step.
+        blocked = admission_blocked and not self._rotating
+        decode_only = not chunks and not preempted and (len(self.waiting) == 0 or blocked)
         return _Plan(now, end, items, 1, decode_only, batch, ctx, preempted)
 
     def _extend_decode_run(self, plan: _Plan, horizon: float) -> None:
@@ -368,7 +377,9 @@ class EngineCore:
             )
         if k <= 1:
             return
-        avail = self.pool.available
+        # Only never-used blocks: a run must not evict cached prefixes that single steps
+        # would still hold when an interrupt cuts the run short.
+        avail = self.pool.free
 
         def extra(steps: int) -> int:
             return sum(
@@ -399,7 +410,8 @@ class EngineCore:
 
     def _preempt(self, req: EngineRequest) -> None:
         self.running.remove(req)
-        self._running_pending -= req.prefill_left
+        self._running_pending -= req.prefill_pending
+        req.prefill_pending = 0
         self.pool.release(req.held, req.anon)
         req.held = []
         req.anon = 0
@@ -413,7 +425,8 @@ class EngineCore:
 
     def _drop_running(self, req: EngineRequest) -> None:
         self.running.remove(req)
-        self._running_pending -= req.prefill_left
+        self._running_pending -= req.prefill_pending
+        req.prefill_pending = 0
         self.pool.release(req.held, req.anon)
         req.held = []
         req.anon = 0

@@ -100,25 +100,36 @@ class PerfModel:
         return (per * steps + growth) / 1000.0
 
     def decode_steps_within(self, batch_size: int, ctx_total: int, budget_s: float) -> int:
-        """The largest number of decode steps that fit in ``budget_s`` seconds."""
+        """The largest number of decode steps that fit in ``budget_s`` seconds (capped at 2^30)."""
+        cap = 1 << 30
         if batch_size <= 0 or budget_s <= 0:
             return 0
+
+        def fits(k: int) -> bool:
+            return self.decode_run_time(batch_size, ctx_total, k) <= budget_s
+
         per = self.decode_e0 + self.decode_e1 * batch_size + self.decode_e2 * ctx_total
         grow = self.decode_e2 * batch_size
         budget = budget_s * 1000.0
-        if per <= 0:
-            return 1 << 30
-        if grow <= 0:
-            k = int(budget // per)
+        # per*k + grow*k*(k-1)/2 <= budget: qa k^2 + qb k - budget <= 0, solved stably
+        qa, qb = grow / 2.0, per - grow / 2.0
+        denom = qb + math.sqrt(qb * qb + 4.0 * qa * budget)
+        root = 2.0 * budget / denom if denom > 0 else math.inf
+        if math.isfinite(root) and root < cap:
+            lo, hi = max(0, int(root) - 2), int(root) + 2
+            if not fits(lo):
+                lo = 0
         else:
-            # per*k + grow*k*(k-1)/2 <= budget  ->  grow/2 k^2 + (per - grow/2) k - budget <= 0
-            qa, qb = grow / 2.0, per - grow / 2.0
-            k = int((-qb + math.sqrt(qb * qb + 4 * qa * budget)) / (2 * qa))
-        while k > 0 and self.decode_run_time(batch_size, ctx_total, k) > budget_s:
-            k -= 1
-        while self.decode_run_time(batch_size, ctx_total, k + 1) <= budget_s:
-            k += 1
-        return k
+            lo, hi = 0, cap
+        if fits(hi):
+            return hi
+        while lo < hi - 1:  # invariant: fits(lo) and not fits(hi)
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def seconds_per_prefill_token(self, ctx: int = 0) -> float:
         """Marginal prefill cost of one token at context ``ctx`` (for quick TTFT estimates)."""

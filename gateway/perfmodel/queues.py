@@ -23,6 +23,7 @@ class WaitQueue(Protocol):
     def push_front(self, req: EngineRequest) -> None: ...
     def remove(self, req: EngineRequest) -> bool: ...
     def begin_step(self) -> None: ...
+    def skip_steps(self, steps: int) -> None: ...
     def peek(self) -> EngineRequest | None: ...
     def take(self) -> EngineRequest: ...
 
@@ -55,6 +56,9 @@ class FcfsQueue:
         return True
 
     def begin_step(self) -> None:
+        return None
+
+    def skip_steps(self, steps: int) -> None:
         return None
 
     def peek(self) -> EngineRequest | None:
@@ -119,6 +123,10 @@ class PriorityGroupQueue:
         self._start = (self._start - 1) % n
         self._pos = 0
         self._quota = (self._order[0] + 1) * 10
+
+    def skip_steps(self, steps: int) -> None:
+        """Account for steps that admitted nothing (a decode run), as if each had begun."""
+        self._start = (self._start - steps) % len(self._groups)
 
     def peek(self) -> EngineRequest | None:
         if not self._order:

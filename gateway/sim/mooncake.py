@@ -30,7 +30,7 @@ def load_mooncake(
     file = Path(path)
     if not file.is_file():
         raise WorkloadError("trace file not found", path=path)
-    memo: dict[int, tuple[int, ...]] = {}
+    memo: dict[tuple[int, int, int], tuple[int, ...]] = {}
     out: list[WorkloadRequest] = []
     slo = options.default_class
     limit = options.limit
