@@ -1,0 +1,139 @@
+"""``kvgate emulate``: serve one emulated vLLM engine over HTTP (no GPU needed).
+
+The engine is the simulator's :class:`EngineCore` stepped in real time behind a
+vLLM-compatible API (see :mod:`gateway.emulator.server`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from typing import Any
+
+from gateway.core.errors import ConfigError
+from gateway.emulator.server import create_emulator_app
+from gateway.emulator.state import EmulatorSettings
+from gateway.perfmodel.presets import available_presets
+
+_DEFAULTS = EmulatorSettings()
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "emulate",
+        help="serve one emulated vLLM engine (OpenAI API, /metrics) driven by the engine model",
+        description=(
+            "Run a vLLM-compatible HTTP server whose engine is kvgate's performance model in "
+            "real time: continuous batching, prefix caching and vLLM's /metrics, no GPU."
+        ),
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, metavar="P", help="port (default 8000)")
+    p.add_argument(
+        "--model",
+        default=_DEFAULTS.model,
+        metavar="NAME",
+        help=f"served model name (default {_DEFAULTS.model})",
+    )
+    p.add_argument(
+        "--preset",
+        default=_DEFAULTS.preset,
+        metavar="NAME|FILE",
+        help=f"engine performance preset or file (default {_DEFAULTS.preset}; "
+        f"known: {', '.join(available_presets())})",
+    )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="real seconds per modelled second (0.1 runs 10x faster; default 1)",
+    )
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="text seed (default 0)")
+    p.add_argument(
+        "--engine-index",
+        default="0",
+        metavar="ID",
+        help="the `engine` label of the metrics (default 0)",
+    )
+    p.add_argument(
+        "--kv-blocks", type=int, default=None, metavar="N", help="override the KV cache blocks"
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=None, metavar="N", help="override max_model_len"
+    )
+    p.add_argument(
+        "--log-level", default="info", choices=LOG_LEVELS, help="uvicorn log level (default info)"
+    )
+    p.set_defaults(handler=run)
+
+
+def settings_from_args(args: argparse.Namespace) -> EmulatorSettings:
+    """Validated settings for the flags; raises ConfigError."""
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+    if not args.time_scale > 0:
+        raise ConfigError(f"--time-scale must be positive, got {args.time_scale}")
+    for flag in ("kv_blocks", "max_model_len"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    return EmulatorSettings(
+        model=args.model,
+        preset=args.preset,
+        time_scale=args.time_scale,
+        seed=args.seed,
+        engine_index=args.engine_index,
+        max_model_len=args.max_model_len,
+        kv_capacity_blocks=args.kv_blocks,
+    )
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on (host, port); ConfigError when it cannot be had."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, addr = infos[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ConfigError(f"cannot resolve --host {host}: {exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    settings = settings_from_args(args)
+    app = create_emulator_app(settings)
+    sock = bind(args.host, args.port)
+    port = sock.getsockname()[1]
+    print(
+        f"kvgate emulate: serving {settings.model!r} on http://{args.host}:{port} "
+        f"(preset {settings.preset}, time scale {settings.time_scale})",
+        file=sys.stderr,
+        flush=True,
+    )
+    config = uvicorn.Config(
+        app,
+        log_level=args.log_level,
+        lifespan="on",
+        timeout_keep_alive=30,
+        access_log=args.log_level in ("debug", "info"),
+    )
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: a normal stop
+        pass
+    finally:
+        sock.close()
+    return 0

@@ -1,0 +1,271 @@
+"""EngineDriver: runs an :class:`EngineCore` in real time on the asyncio loop.
+
+One background task owns the core. While the core has work it plans a step,
+sleeps until that step's end (virtual seconds × ``time_scale`` real seconds),
+applies the step and hands the tokens it produced to each request's
+:class:`GenerationHandle`. With no work it waits on an event that
+:meth:`EngineDriver.submit` sets. Virtual time is ``(loop.time() - start) /
+time_scale``; back-to-back steps are chained on the engine's own clock, which
+may run ahead of it by ``_LEAD`` and fall behind by ``_LAG`` real seconds
+(asyncio timers have about 1 ms resolution), so timer jitter neither stretches
+nor shrinks the modelled step times. When the loop cannot keep up for longer
+(tiny ``time_scale``, heavy load) steps start late, as on a busy GPU.
+
+Handles (:mod:`gateway.emulator.handle`) never block the driver. The core
+runs with ``max_decode_run=1``: one step per token, so new requests join the
+batch at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+
+from gateway.core.blocks import hashes_from_tokens
+from gateway.emulator.handle import (
+    EngineDeadError,
+    GenerationHandle,
+    RequestRejectedError,
+    TokenDelta,
+)
+from gateway.emulator.tokenizer import natural_length, prompt_digest
+from gateway.perfmodel.engine import EngineCore, EngineRequest, StepOutcome
+from gateway.perfmodel.model import PerfModel
+
+__all__ = [
+    "DriverObserver",
+    "EngineDeadError",
+    "EngineDriver",
+    "GenerationHandle",
+    "RequestRejectedError",
+    "TokenDelta",
+]
+
+log = logging.getLogger(__name__)
+_LEAD = 0.002
+"""Real seconds the engine clock may run ahead of the wall clock before the driver sleeps."""
+_LAG = 0.05
+"""Real seconds the engine clock may fall behind the wall clock (timer jitter, a busy
+loop) before the next step is re-anchored to the wall clock."""
+
+
+class DriverObserver(Protocol):
+    """Receives engine events (in virtual seconds); the Prometheus metrics implement it."""
+
+    def on_scheduled(self, handle: GenerationHandle) -> None: ...
+    def on_step(self, outcome: StepOutcome) -> None: ...
+    def on_tokens(self, handle: GenerationHandle, count: int, gap: float | None) -> None: ...
+    def on_finished(self, handle: GenerationHandle, reason: str, now: float) -> None: ...
+
+
+class EngineDriver:
+    """Steps one :class:`EngineCore` in real time; requests come in via :meth:`submit`."""
+
+    def __init__(
+        self,
+        model: PerfModel,
+        *,
+        engine_id: str = "0",
+        time_scale: float = 1.0,
+        seed: int = 0,
+        observer: DriverObserver | None = None,
+    ) -> None:
+        if not time_scale > 0:
+            raise ValueError(f"time_scale must be positive, got {time_scale}")
+        self.model = model
+        self.core = EngineCore(engine_id, model, max_decode_run=1)
+        self.time_scale = time_scale
+        self.seed = seed
+        self.observer = observer
+        self._handles: dict[str, GenerationHandle] = {}
+        self._next_id = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._t0 = 0.0
+        self._last_arrival = 0.0
+        self.error: str | None = None
+
+    # -- lifecycle -------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the background task (virtual time starts at 0 now)."""
+        if self._task is not None:
+            raise RuntimeError("driver already started")
+        self._t0 = asyncio.get_running_loop().time()
+        self.error = None
+        self._task = asyncio.create_task(self._run(), name=f"engine-driver-{self.core.id}")
+
+    async def stop(self) -> None:
+        """Cancel the background task and end every request still in flight."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for handle in list(self._handles.values()):
+            handle.fail("the engine is shutting down")
+        self._handles.clear()
+        if self.error is None:
+            self.error = "the engine is stopped"
+
+    @property
+    def healthy(self) -> bool:
+        return self._task is not None and self.error is None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._handles)
+
+    def now(self) -> float:
+        """Virtual seconds since :meth:`start`."""
+        return (asyncio.get_running_loop().time() - self._t0) / self.time_scale
+
+    # -- requests --------------------------------------------------------------
+    def check(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Raise :class:`RequestRejectedError` when vLLM would refuse this length."""
+        limit = self.model.max_model_len
+        if prompt_tokens >= limit:
+            raise RequestRejectedError(
+                f"This model's maximum context length is {limit} tokens. However, your request "
+                f"has {prompt_tokens} input tokens. Please reduce the length of the input."
+            )
+        if prompt_tokens + max_tokens > limit:
+            raise RequestRejectedError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+                f"{max_tokens} in the completion). Please reduce the length of the messages "
+                "or completion.",
+                param="max_tokens",
+            )
+
+    def submit(
+        self, token_ids: Sequence[int], *, max_tokens: int, ignore_eos: bool = False
+    ) -> GenerationHandle:
+        """Queue a generation of at most ``max_tokens`` tokens for ``token_ids``."""
+        if self.error is not None or self._task is None:
+            raise EngineDeadError(self.error or "the engine is not running")
+        if not token_ids:
+            raise RequestRejectedError("The prompt cannot be empty.", param="prompt")
+        if max_tokens < 1:
+            raise RequestRejectedError(
+                f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens"
+            )
+        self.check(len(token_ids), max_tokens)
+        digest = prompt_digest(token_ids)
+        natural = natural_length(digest, self.seed)
+        if ignore_eos or natural > max_tokens:
+            output, reason = max_tokens, "length"
+        else:
+            output, reason = natural, "stop"
+        why = self.core.admissible(len(token_ids), output)
+        if why is not None:
+            raise RequestRejectedError(f"The request cannot be served: {why}.")
+        self._next_id += 1
+        req = EngineRequest(
+            id=f"req-{self._next_id}",
+            prompt_tokens=len(token_ids),
+            block_hashes=hashes_from_tokens(token_ids, self.model.block_size),
+            output_tokens=output,
+            arrival=self.now(),
+        )
+        self._last_arrival = req.arrival
+        handle = GenerationHandle(req, digest=digest, max_tokens=max_tokens, finish_reason=reason)
+        req.payload = handle
+        self.core.submit(req)
+        self._handles[req.id] = handle
+        self._wake.set()
+        return handle
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request whose client went away; frees its engine request."""
+        handle = self._handles.pop(request_id, None)
+        if handle is None:
+            return False
+        self.core.abort(request_id)
+        handle.finish("abort")
+        if self.observer is not None:
+            self.observer.on_finished(handle, "abort", self.now())
+        return True
+
+    # -- the loop --------------------------------------------------------------
+    async def _run(self) -> None:
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug: fail every request instead of hanging them
+            log.exception("engine driver %s crashed", self.core.id)
+            self.error = f"engine driver crashed: {exc!r}"
+            for handle in list(self._handles.values()):
+                handle.fail(self.error)
+            self._handles.clear()
+
+    async def _loop(self) -> None:
+        core = self.core
+        loop = asyncio.get_running_loop()
+        scale = self.time_scale
+        last_end = 0.0
+        while True:
+            if not core.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            # Back-to-back steps: the next one starts where the last ended unless the wall
+            # clock is more than _LAG ahead (idle or overloaded), and never before the
+            # latest arrival. Timer jitter thus never stretches or shrinks the model's time.
+            now = self.now()
+            if now - last_end < _LAG / scale:
+                now = last_end
+            now = max(now, self._last_arrival)
+            waiting = core.num_waiting
+            end = core.start_step(now)
+            if end is None:  # work that cannot run yet; retry soon rather than spin
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), 0.01)
+                continue
+            if core.num_waiting != waiting:
+                self._note_scheduled()
+            # Timers have ~1 ms resolution: let the engine run up to _LEAD ahead of the
+            # wall clock, then sleep the lead off.
+            lead = self._t0 + end * scale - loop.time()
+            await asyncio.sleep(lead if lead >= _LEAD else 0.0)
+            last_end = end
+            self._apply(core.finish_step())
+
+    def _note_scheduled(self) -> None:
+        observer = self.observer
+        for req in self.core.running:
+            handle = req.payload
+            if isinstance(handle, GenerationHandle) and not handle.scheduled:
+                handle.scheduled = True
+                if observer is not None:
+                    observer.on_scheduled(handle)
+
+    def _apply(self, out: StepOutcome) -> None:
+        observer = self.observer
+        handles = self._handles
+        end = out.end
+        if observer is not None:
+            observer.on_step(out)
+        for req, count in out.tokens:
+            handle = handles.get(req.id)
+            if handle is None:
+                continue
+            if not handle.scheduled:  # admitted and preempted in one step: note it now
+                handle.scheduled = True
+                if observer is not None:
+                    observer.on_scheduled(handle)
+            gap = None if handle.last_token_time is None else end - handle.last_token_time
+            handle.push(count, end)
+            if observer is not None:
+                observer.on_tokens(handle, count, gap)
+        for req in out.finished:
+            handle = handles.pop(req.id, None)
+            if handle is None:
+                continue
+            handle.finish(handle.target_reason)
+            if observer is not None:
+                observer.on_finished(handle, handle.target_reason, end)

@@ -1,0 +1,123 @@
+"""A request in flight in the emulated engine, as its HTTP handler sees it.
+
+A :class:`GenerationHandle` keeps a produced-token counter and an event instead
+of a queue: the driver never waits on a reader, and a slow reader gets several
+tokens in one :class:`TokenDelta` (vLLM's output collector merges deltas the
+same way).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from gateway.core.errors import KvgateError
+from gateway.perfmodel.engine import EngineRequest
+
+
+class RequestRejectedError(KvgateError):
+    """The engine can never run this request (vLLM answers 400)."""
+
+    status_code = 400
+    error_type = "BadRequestError"
+
+
+class EngineDeadError(KvgateError):
+    """The driver task died or was stopped while the request was in flight."""
+
+    status_code = 500
+    error_type = "InternalServerError"
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """Tokens ``start .. start+count`` are ready; ``finish_reason`` is set on the last delta."""
+
+    start: int
+    count: int
+    finish_reason: str | None = None
+
+
+class GenerationHandle:
+    """One request in flight: an async iterator of :class:`TokenDelta`."""
+
+    def __init__(
+        self, req: EngineRequest, *, digest: int, max_tokens: int, finish_reason: str
+    ) -> None:
+        self.req = req
+        self.digest = digest
+        self.max_tokens = max_tokens
+        self.target_reason = finish_reason
+        self.produced = 0
+        self.finish_reason: str | None = None
+        self.last_token_time: float | None = None
+        self.scheduled = False
+        self._delivered = 0
+        self._error: str | None = None
+        self._event = asyncio.Event()
+        self._done = asyncio.Event()
+
+    @property
+    def id(self) -> str:
+        """The engine request id (unique per driver)."""
+        return self.req.id
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.req.prompt_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache at first scheduling."""
+        return self.req.cached_tokens or 0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self._error is not None
+
+    def push(self, count: int, now: float) -> None:
+        """Driver side: ``count`` more tokens exist at virtual time ``now``."""
+        self.produced += count
+        self.last_token_time = now
+        self._event.set()
+
+    def finish(self, reason: str) -> None:
+        """Driver side: generation ended (``stop``, ``length`` or ``abort``)."""
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self._event.set()
+            self._done.set()
+
+    def fail(self, message: str) -> None:
+        """Driver side: the engine died; readers get :class:`EngineDeadError`."""
+        self._error = message
+        self._event.set()
+        self._done.set()
+
+    def __aiter__(self) -> AsyncIterator[TokenDelta]:
+        return self._deltas()
+
+    async def _deltas(self) -> AsyncIterator[TokenDelta]:
+        while True:
+            await self._event.wait()
+            self._event.clear()
+            if self._error is not None:
+                raise EngineDeadError(self._error)
+            start = self._delivered
+            count = self.produced - start
+            reason = self.finish_reason
+            self._delivered = self.produced
+            if count or reason is not None:
+                yield TokenDelta(start, count, reason)
+            if reason is not None:
+                return
+
+    async def wait(self) -> str:
+        """Wait for the end of generation (without waking per token); the finish reason."""
+        await self._done.wait()
+        if self._error is not None:
+            raise EngineDeadError(self._error)
+        assert self.finish_reason is not None
+        self._delivered = self.produced
+        return self.finish_reason

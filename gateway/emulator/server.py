@@ -1,0 +1,142 @@
+"""The engine emulator: a vLLM-compatible HTTP server driven by :class:`EngineCore`.
+
+``create_emulator_app(settings)`` builds a FastAPI app whose lifespan creates an
+:class:`EngineDriver` (the simulator's engine model, stepped in real time), the
+fake tokenizer and a Prometheus registry owned by the app. Routes follow vLLM
+0.33: ``/v1/completions`` and ``/v1/chat/completions`` (JSON or SSE, see
+:mod:`gateway.emulator.generate`), ``/v1/models``, ``/health``, ``/tokenize``,
+``/detokenize``, ``/load``, ``/version`` and ``/metrics``. Usage always carries
+``prompt_tokens_details.cached_tokens`` (a real vLLM needs
+``--enable-prompt-tokens-details`` for that). ``/load`` counts requests in
+flight (vLLM does with ``--enable-server-load-tracking``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.core.errors import KvgateError
+from gateway.emulator import generate
+from gateway.emulator.protocol import (
+    ApiError,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+    parse_body,
+)
+from gateway.emulator.state import EmulatorSettings, StateDep, build_state
+
+__all__ = ["VERSION", "EmulatorSettings", "create_emulator_app"]
+
+VERSION = "0.33.0+kvgate"
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def models(state: StateDep) -> dict[str, Any]:
+    name = state.settings.model
+    permission = {
+        "id": f"modelperm-{name}",
+        "object": "model_permission",
+        "created": state.created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+    card = {
+        "id": name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "vllm",
+        "root": name,
+        "parent": None,
+        "max_model_len": state.perf.max_model_len,
+        "permission": [permission],
+    }
+    return {"object": "list", "data": [card]}
+
+
+@router.get("/health")
+async def health(state: StateDep) -> Response:
+    return Response(status_code=200 if state.driver.healthy else 503)
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request, state: StateDep) -> dict[str, Any]:
+    body = parse_body(await request.body(), TokenizeRequest)
+    state.check_model(body.model)
+    if body.messages is not None:
+        ids = state.tokenizer.encode(generate.chat_prompt(body, body.messages))
+    elif body.prompt is not None:
+        ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    else:
+        raise ApiError("Either `prompt` or `messages` is required.", param="prompt")
+    strs = [state.tokenizer.token_repr(t) for t in ids] if body.return_token_strs else None
+    return {
+        "count": len(ids),
+        "max_model_len": state.perf.max_model_len,
+        "tokens": ids,
+        "token_strs": strs,
+    }
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request, state: StateDep) -> dict[str, Any]:
+    body = parse_body(await request.body(), DetokenizeRequest)
+    state.check_model(body.model)
+    return {"prompt": state.tokenizer.decode(body.tokens)}
+
+
+@router.get("/load")
+async def load(state: StateDep) -> dict[str, int]:
+    return {"server_load": state.driver.in_flight}
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": VERSION}
+
+
+@router.get("/metrics")
+async def metrics(state: StateDep) -> Response:
+    return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _on_error(request: Request, exc: Exception) -> Response:
+    status = exc.status_code if isinstance(exc, KvgateError) else 500
+    body = error_body(exc if isinstance(exc, KvgateError) else ApiError(str(exc), status=500))
+    return JSONResponse(body, status_code=status)
+
+
+def create_emulator_app(settings: EmulatorSettings | None = None) -> FastAPI:
+    """A FastAPI app emulating one vLLM engine; raises ConfigError on bad settings."""
+    settings = settings or EmulatorSettings()
+    perf = settings.perf_model()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state = build_state(settings, perf)
+        await state.driver.start()
+        app.state.emulator = state
+        try:
+            yield
+        finally:
+            await state.driver.stop()
+
+    app = FastAPI(title="kvgate engine emulator", version=VERSION, lifespan=lifespan)
+    app.add_exception_handler(KvgateError, _on_error)
+    app.include_router(router)
+    app.include_router(generate.router)
+    return app

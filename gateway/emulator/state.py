@@ -1,0 +1,112 @@
+"""Settings and per-app state of the emulator (built by the app's lifespan)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import Depends, Request
+from prometheus_client import CollectorRegistry
+
+from gateway.core.errors import ConfigError
+from gateway.emulator.driver import EngineDriver, GenerationHandle
+from gateway.emulator.metrics import EmulatorMetrics
+from gateway.emulator.protocol import ApiError
+from gateway.emulator.tokenizer import FakeTokenizer, output_tokens
+from gateway.perfmodel.model import PerfModel
+from gateway.perfmodel.presets import load_preset
+
+
+@dataclass(frozen=True, slots=True)
+class EmulatorSettings:
+    """What one emulated engine serves and how fast it runs.
+
+    ``time_scale`` multiplies every engine step's duration (0.01 runs 100× faster
+    than the modelled GPU); ``engine_index`` is the ``engine`` metrics label.
+    """
+
+    model: str = "kvgate-emulated"
+    preset: str = "llama3-8b-h100"
+    time_scale: float = 1.0
+    seed: int = 0
+    engine_index: str = "0"
+    max_model_len: int | None = None
+    kv_capacity_blocks: int | None = None
+
+    def perf_model(self) -> PerfModel:
+        """The preset with overrides applied; raises ConfigError on bad values."""
+        if not self.time_scale > 0:
+            raise ConfigError(f"time scale must be positive, got {self.time_scale}")
+        if not self.model:
+            raise ConfigError("the model name must not be empty")
+        changes: dict[str, int] = {}
+        for name in ("max_model_len", "kv_capacity_blocks"):
+            value = getattr(self, name)
+            if value is not None:
+                if value <= 0:
+                    raise ConfigError(f"{name} must be positive, got {value}")
+                changes[name] = value
+        return load_preset(self.preset).with_overrides(**changes)
+
+
+@dataclass(slots=True)
+class EmulatorState:
+    """Everything the routes use: settings, engine driver, tokenizer, metrics registry."""
+
+    settings: EmulatorSettings
+    perf: PerfModel
+    driver: EngineDriver
+    registry: CollectorRegistry
+    tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_model(self, name: str | None) -> None:
+        """404 unless ``name`` is absent or the served model (as vLLM answers)."""
+        if name is not None and name != self.settings.model:
+            raise ApiError(f"The model `{name}` does not exist.", status=404, param="model")
+
+    def text(self, handle: GenerationHandle, start: int, count: int) -> str:
+        """Text of output tokens ``start .. start+count`` of ``handle``."""
+        ids = output_tokens(handle.digest, start, count, self.driver.seed)
+        return self.tokenizer.decode(ids)
+
+
+def build_state(settings: EmulatorSettings, perf: PerfModel) -> EmulatorState:
+    """A fresh engine driver with its metrics on a new registry (not started)."""
+    registry = CollectorRegistry()
+    driver = EngineDriver(
+        perf, engine_id=settings.engine_index, time_scale=settings.time_scale, seed=settings.seed
+    )
+    tokens = perf.kv_capacity_blocks * perf.block_size
+    cache_info = {
+        "block_size": str(perf.block_size),
+        "cache_dtype": "auto",
+        "enable_prefix_caching": "True",
+        "gpu_memory_utilization": "0.9",
+        "kv_cache_max_concurrency": str(tokens / perf.max_model_len),
+        "kv_cache_memory_bytes": str(tokens * perf.kv_bytes_per_token),
+        "kv_cache_size_tokens": str(tokens),
+        "num_cpu_blocks": "None",
+        "num_gpu_blocks": str(perf.kv_capacity_blocks),
+        "num_gpu_blocks_override": "None",
+        "prefix_caching_hash_algo": "xxhash",
+        "sliding_window": "None",
+    }
+    driver.observer = EmulatorMetrics(
+        registry,
+        driver.core,
+        model_name=settings.model,
+        engine=settings.engine_index,
+        cache_info=cache_info,
+    )
+    return EmulatorState(settings, perf, driver, registry)
+
+
+def get_state(request: Request) -> EmulatorState:
+    """FastAPI dependency: the state the lifespan stored on the app."""
+    state: EmulatorState = request.app.state.emulator
+    return state
+
+
+StateDep = Annotated[EmulatorState, Depends(get_state)]
