@@ -64,8 +64,10 @@ def main() -> int:
             f"{run.events / dt:9.0f} {hit:6.1%}"
         )
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"total {total:.1f} s for {len(args.policies.split(','))} policies "
-          f"(target < {TARGET_S:.0f} s: ratio {total / TARGET_S:.2f}); peak RSS {rss_mb:.0f} MiB")
+    print(
+        f"total {total:.1f} s for {len(args.policies.split(','))} policies "
+        f"(target < {TARGET_S:.0f} s: ratio {total / TARGET_S:.2f}); peak RSS {rss_mb:.0f} MiB"
+    )
     return 0
 
 

@@ -10,7 +10,8 @@ fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev,plots]'
 echo "== ruff"
 .venv/bin/ruff check gateway tests benchmarks
-echo "== mypy --strict (pure packages)"
+.venv/bin/ruff format --check gateway tests benchmarks
+echo "== mypy --strict"
 .venv/bin/mypy
 echo "== pytest (fast suite)"
 .venv/bin/python -m pytest -m "not vllm" "$@"

@@ -6,10 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from gateway.cli import simulate
+from gateway.cli import demo, emulate, serve, simulate
 from gateway.core.errors import KvgateError
 
-_COMMANDS = (simulate,)
+_COMMANDS = (demo, serve, emulate, simulate)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -141,7 +141,11 @@ def run(args: argparse.Namespace) -> int:
     perf = load_preset(args.preset)
     if args.block_size is not None:
         perf = perf.with_overrides(block_size=args.block_size)
-    say = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+
+    def say(message: str) -> None:
+        if not args.quiet:
+            print(message, file=sys.stderr, flush=True)
+
     started = time.perf_counter()
     wl_opts = WorkloadOptions(
         block_size=perf.block_size,

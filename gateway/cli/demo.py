@@ -1,0 +1,164 @@
+"""``kvgate demo``: emulated engines and the gateway on 127.0.0.1, in one command."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+
+from gateway.core.errors import ConfigError, KvgateError
+from gateway.policies.registry import POLICIES, create_policy
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "demo",
+        help="start emulated vLLM engines and the gateway on 127.0.0.1 (Ctrl-C stops all)",
+        description=(
+            "Start N emulated vLLM engines (kvgate emulate) and the gateway in front of them, "
+            "print how to talk to it, and run until Ctrl-C."
+        ),
+    )
+    p.add_argument("--engines", type=int, default=3, metavar="N", help="emulated engines (3)")
+    p.add_argument("--policy", default="cache_aware", help=f"one of {', '.join(POLICIES)}")
+    p.add_argument("--port", type=int, default=8000, help="gateway port (8000)")
+    p.add_argument("--model", default="kvgate-demo", help="served model name")
+    p.add_argument("--preset", default="llama3-8b-h100", help="engine performance preset")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="engine time multiplier (0.1 = ten times faster than the preset)",
+    )
+    p.set_defaults(handler=run)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_healthy(urls: list[str], procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(urls)
+    with httpx.Client(timeout=1.0) as client:
+        while pending:
+            for proc in procs:
+                if proc.poll() is not None:
+                    raise KvgateError(f"an emulated engine exited early (code {proc.returncode})")
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(pending[0] + "/health").status_code == 200:
+                    pending.pop(0)
+                    continue
+            if time.monotonic() > deadline:
+                raise KvgateError(f"engine {pending[0]} did not become healthy in {timeout:.0f} s")
+            time.sleep(0.1)
+
+
+def banner(port: int, model: str, urls: list[str], policy: str) -> str:
+    base = f"http://127.0.0.1:{port}"
+    return f"""
+kvgate demo: {len(urls)} emulated engines behind the gateway, policy {policy}
+  gateway   {base}/v1   (metrics {base}/metrics, engines {base}/admin/engines)
+  engines   {" ".join(urls)}
+
+Try it:
+  curl -s {base}/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+
+  python - <<'PY'
+  from openai import OpenAI
+  client = OpenAI(base_url="{base}/v1", api_key="none")
+  stream = client.chat.completions.create(
+      model="{model}", stream=True,
+      messages=[{{"role": "user", "content": "Tell me about KV caches"}}])
+  for chunk in stream:
+      print(chunk.choices[0].delta.content or "", end="", flush=True)
+  print()
+  PY
+
+Press Ctrl-C to stop everything.
+"""
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 1 <= args.engines <= 64:
+        raise ConfigError("--engines must be between 1 and 64")
+    if not args.time_scale > 0:
+        raise ConfigError("--time-scale must be positive")
+    create_policy(args.policy)
+    import uvicorn
+
+    from gateway.config import load_settings
+    from gateway.observability import configure_logging
+    from gateway.proxy.app import create_app
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", args.port))
+        except OSError:
+            raise ConfigError(f"port {args.port} is in use; pick another with --port") from None
+    procs: list[subprocess.Popen[bytes]] = []
+    urls: list[str] = []
+    try:
+        for i in range(args.engines):
+            port = free_port()
+            urls.append(f"http://127.0.0.1:{port}")
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "gateway.cli",
+                        "emulate",
+                        "--port",
+                        str(port),
+                        "--model",
+                        args.model,
+                        "--preset",
+                        args.preset,
+                        "--time-scale",
+                        str(args.time_scale),
+                        "--seed",
+                        str(i),
+                        "--log-level",
+                        "warning",
+                    ]
+                )
+            )
+        wait_healthy(urls, procs, timeout=30)
+        settings = load_settings(
+            engines=[{"url": u, "model": args.model} for u in urls],
+            policy={"name": args.policy},
+            port=args.port,
+            log_requests=False,
+        )
+        configure_logging("warning")
+        print(banner(args.port, args.model, urls, args.policy), flush=True)
+        uvicorn.run(
+            create_app(settings),
+            host="127.0.0.1",
+            port=args.port,
+            log_level="warning",
+            access_log=False,
+        )
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        print("kvgate demo: stopped", flush=True)
+    return 0

@@ -1,0 +1,97 @@
+"""``kvgate serve``: run the gateway in front of vLLM (or emulated) engines."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from gateway.config import Settings, load_settings
+from gateway.core.errors import ConfigError
+from gateway.policies.registry import POLICIES, create_policy
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible gateway in front of vLLM engines",
+        description=(
+            "Route OpenAI requests to vLLM engines. Settings come from --config (YAML), then "
+            "KVGATE_* environment variables, then these flags."
+        ),
+    )
+    add_serve_flags(p)
+    p.set_defaults(handler=run)
+
+
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="YAML settings file")
+    p.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an engine's base URL (repeatable); adds to the config's engines",
+    )
+    p.add_argument("--policy", metavar="NAME", help=f"routing policy ({', '.join(POLICIES)})")
+    p.add_argument(
+        "--policy-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a knob of the policy, e.g. cache_threshold=0.5",
+    )
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default 8000)")
+    p.add_argument("--block-size", type=int, metavar="N", help="engine KV block size (default 16)")
+    p.add_argument("--admin-key", metavar="KEY", help="protect /admin routes with this key")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {
+        "host": args.host,
+        "port": args.port,
+        "block_size": args.block_size,
+        "admin_key": args.admin_key,
+        "log_level": args.log_level,
+    }
+    base = load_settings(args.config)
+    if args.engine:
+        overrides["engines"] = [e.model_dump() for e in base.engines] + [
+            {"url": url} for url in args.engine
+        ]
+    if args.policy or args.policy_option:
+        options = dict(base.policy.options)
+        for item in args.policy_option:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise ConfigError(f"--policy-option {item!r} must look like KEY=VALUE")
+            options[key] = value
+        overrides["policy"] = {"name": args.policy or base.policy.name, "options": options}
+    settings = load_settings(args.config, **overrides)
+    if not settings.engines:
+        raise ConfigError("no engines: pass --engine URL or list engines in --config")
+    urls = [e.url for e in settings.engines]
+    if len(set(urls)) != len(urls):
+        raise ConfigError("an engine URL is listed twice")
+    create_policy(settings.policy.name, options=settings.policy.options)  # fail fast on typos
+    return settings
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.observability import configure_logging
+    from gateway.proxy.app import create_app
+
+    settings = settings_from_args(args)
+    configure_logging(settings.log_level)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=30,
+    )
+    return 0

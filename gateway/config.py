@@ -1,0 +1,151 @@
+"""Gateway configuration: a YAML file, overridden by ``KVGATE_*`` environment variables,
+overridden by command-line flags.
+
+Environment variables use ``__`` for nesting, e.g. ``KVGATE_PORT=9000``,
+``KVGATE_POLICY__NAME=least_loaded``, ``KVGATE_TIMEOUTS__READ_S=900``;
+lists and maps take JSON: ``KVGATE_ENGINES='[{"url": "http://10.0.0.5:8000"}]'``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from gateway.core.errors import ConfigError
+
+Role = Literal["both", "prefill", "decode"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineConfig(_Strict):
+    """One upstream engine (a vLLM OpenAI server or ``kvgate emulate``)."""
+
+    url: str
+    role: Role = "both"
+    model: str | None = Field(
+        default=None, description="served model name; discovered from /v1/models when unset"
+    )
+    api_key: SecretStr | None = Field(default=None, description="sent as Bearer to the engine")
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        value = value.strip().rstrip("/")
+        if not value.startswith(("http://", "https://")) or len(value) <= len("http://"):
+            raise ValueError(f"engine url must start with http:// or https://, got {value!r}")
+        return value
+
+
+class PolicyConfig(_Strict):
+    name: str = "cache_aware"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class TimeoutConfig(_Strict):
+    """Upstream timeouts in seconds. ``read_s`` bounds the gap between two stream chunks
+    (and the wait for a non-streamed answer), so it must outlast the longest prefill."""
+
+    connect_s: float = Field(default=5.0, gt=0)
+    read_s: float = Field(default=600.0, gt=0)
+    write_s: float = Field(default=30.0, gt=0)
+    pool_s: float = Field(default=10.0, gt=0)
+
+
+class RetryConfig(_Strict):
+    """Retries of failures before the first byte reached the client, on another engine."""
+
+    max_attempts: int = Field(default=3, ge=1, le=10)
+    backoff_s: float = Field(default=0.05, ge=0)
+    backoff_max_s: float = Field(default=1.0, ge=0)
+
+
+class HealthConfig(_Strict):
+    """Active probing (``/health``) and metric scraping (``/metrics``) of every engine."""
+
+    interval_s: float = Field(default=1.0, gt=0)
+    timeout_s: float = Field(default=2.0, gt=0)
+    failure_threshold: int = Field(default=2, ge=1)
+    recovery_threshold: int = Field(default=1, ge=1)
+    cooldown_s: float = Field(default=5.0, ge=0, description="minimum time out after a failure")
+
+
+class Settings(BaseSettings):
+    """Everything ``kvgate serve`` needs."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KVGATE_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    engines: list[EngineConfig] = Field(default_factory=list)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    block_size: int = Field(default=16, ge=1, description="engine KV block size in tokens")
+    chars_per_token: float = Field(
+        default=4.0, gt=0, description="text chunk = block tokens x this"
+    )
+    seed: int = 0
+    api_keys: list[SecretStr] = Field(default_factory=list, description="client keys (Bearer)")
+    admin_key: SecretStr | None = None
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
+    retries: RetryConfig = Field(default_factory=RetryConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    max_connections: int = Field(default=1000, ge=1)
+    expose_engine_header: bool = Field(default=True, description="X-Kvgate-Engine on responses")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_requests: bool = True
+
+
+def load_settings(config_path: str | Path | None = None, **overrides: Any) -> Settings:
+    """Settings from ``config_path`` (YAML), then the environment, then ``overrides``."""
+    data: dict[str, Any] = {}
+    if config_path is not None:
+        path = Path(config_path)
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config {path} must be a mapping at the top level")
+        data = loaded or {}
+
+    class _Bound(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return (init_settings, env_settings, InitSettingsSource(settings_cls, data))
+
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return _Bound(**overrides)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid configuration: {_first_error(exc)}") from None
+
+
+def _first_error(exc: ValidationError) -> str:
+    errors = exc.errors()
+    first = errors[0]
+    where = ".".join(str(p) for p in first.get("loc", ())) or "settings"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{where}: {first.get('msg', 'invalid')}{more}"

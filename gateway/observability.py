@@ -1,0 +1,233 @@
+"""kvgate's own Prometheus metrics (on an injected registry) and structured JSON logs.
+
+Metric names carry the ``kvgate_`` prefix and unit suffixes; labels are
+bounded (route, policy, outcome, reason, engine) and never a request id.
+Per-engine gauges are read from the engine registry at scrape time, so a
+removed engine's series disappear with it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import logging.handlers
+import queue
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway.cluster.registry import EngineRegistry, Health
+
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+_DECISION_BUCKETS = (
+    5e-6,
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    0.1,
+)
+
+
+class GatewayMetrics:
+    """Every metric the gateway exports."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "kvgate_requests",
+            "Requests by route, policy and outcome",
+            ["route", "policy", "outcome"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "kvgate_routing_decisions",
+            "Routing decisions by policy and reason",
+            ["policy", "reason"],
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            "kvgate_routing_decision_seconds",
+            "Time to take one routing decision",
+            ["policy"],
+            buckets=_DECISION_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvgate_time_to_first_token_seconds",
+            "Gateway-observed time to the first byte of "
+            "the answer (first SSE event when streaming)",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "kvgate_e2e_request_latency_seconds",
+            "Gateway-observed end-to-end latency",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvgate_retries",
+            "Requests retried on another engine, by reason",
+            ["route", "reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvgate_routed_prompt_tokens",
+            "Estimated prompt tokens routed",
+            ["policy"],
+            registry=r,
+        )
+        self.expected_hit_tokens = Counter(
+            "kvgate_routed_expected_hit_tokens",
+            "Prompt tokens the policy expected to be cached on the chosen engine",
+            ["policy"],
+            registry=r,
+        )
+        self.engine_errors = Counter(
+            "kvgate_engine_errors",
+            "Upstream failures by engine and kind",
+            ["engine", "kind"],
+            registry=r,
+        )
+
+    def watch_engines(
+        self, engines: EngineRegistry, in_flight: Callable[[], dict[str, int]]
+    ) -> None:
+        """Export per-engine gauges read from ``engines`` at scrape time."""
+        self.registry.register(_EngineCollector(engines, in_flight))
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engines: EngineRegistry, in_flight: Callable[[], dict[str, int]]) -> None:
+        self.engines = engines
+        self.in_flight = in_flight
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        fams = {
+            "healthy": GaugeMetricFamily(
+                "kvgate_engine_healthy", "1 when the engine takes traffic", labels=["engine"]
+            ),
+            "in_flight": GaugeMetricFamily(
+                "kvgate_engine_in_flight", "Requests routed and not finished", labels=["engine"]
+            ),
+            "pending": GaugeMetricFamily(
+                "kvgate_engine_pending_prefill_tokens",
+                "Router estimate of prompt tokens sent and not yet prefilled",
+                labels=["engine"],
+            ),
+            "waiting": GaugeMetricFamily(
+                "kvgate_engine_waiting_requests",
+                "Engine-reported waiting queue (scraped)",
+                labels=["engine"],
+            ),
+            "running": GaugeMetricFamily(
+                "kvgate_engine_running_requests",
+                "Engine-reported running requests (scraped)",
+                labels=["engine"],
+            ),
+            "kv": GaugeMetricFamily(
+                "kvgate_engine_kv_cache_usage_ratio",
+                "Engine-reported KV usage 0..1 (scraped)",
+                labels=["engine"],
+            ),
+            "hit": GaugeMetricFamily(
+                "kvgate_engine_prefix_cache_hit_ratio",
+                "Engine-reported prefix cache hits / queries since start (scraped)",
+                labels=["engine"],
+            ),
+        }
+        flights = self.in_flight()
+        for e in self.engines.all():
+            label = [e.id]
+            fams["healthy"].add_metric(label, 1.0 if e.health is Health.HEALTHY else 0.0)
+            fams["in_flight"].add_metric(label, float(flights.get(e.id, 0)))
+            fams["pending"].add_metric(label, float(e.pending_tokens))
+            m = e.metrics
+            if m is not None:
+                fams["waiting"].add_metric(label, m.waiting)
+                fams["running"].add_metric(label, m.running)
+                fams["kv"].add_metric(label, m.kv_usage)
+                if m.prefix_queries > 0:
+                    fams["hit"].add_metric(label, m.prefix_hits / m.prefix_queries)
+        yield from fams.values()
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message and any ``extra`` fields."""
+
+    _RESERVED = frozenset(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in self._RESERVED and not key.startswith("_"):
+                out[key] = value
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+class _DeferredQueueHandler(logging.handlers.QueueHandler):
+    """Queues records unformatted: formatting and I/O happen on the listener thread."""
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        return record
+
+
+def configure_logging(level: str = "info") -> logging.handlers.QueueListener:
+    """JSON logs on stderr for kvgate's loggers, written by a background thread.
+
+    The request path only enqueues a record; returns the listener (already
+    started) so a caller may stop it to flush at exit.
+    """
+    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    stream = logging.StreamHandler(sys.stderr)
+    stream.setFormatter(JsonFormatter())
+    listener = logging.handlers.QueueListener(records, stream, respect_handler_level=False)
+    listener.start()
+    atexit.register(listener.stop)
+    root = logging.getLogger("kvgate")
+    root.handlers[:] = [_DeferredQueueHandler(records)]
+    root.setLevel(level.upper())
+    root.propagate = False
+    return listener

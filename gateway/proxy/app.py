@@ -1,0 +1,117 @@
+"""``create_app(settings)``: build the gateway; everything is created in the lifespan."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI
+
+from gateway.cluster.monitor import EngineMonitor
+from gateway.cluster.registry import EngineRegistry
+from gateway.config import Settings
+from gateway.core.types import EngineRole
+from gateway.observability import GatewayMetrics
+from gateway.policies.base import PolicyContext
+from gateway.policies.dispatcher import Dispatcher
+from gateway.policies.registry import create_policy
+from gateway.proxy import routes_admin, routes_openai
+from gateway.proxy.deps import GatewayState
+from gateway.proxy.errors import install_handlers
+from gateway.proxy.fastpath import OpenAIFastPath
+from gateway.proxy.forwarder import Forwarder
+from gateway.proxy.routing_key import RoutingKeyer
+from gateway.proxy.upstream import HttpcoreUpstream, HttpxUpstream, Timeouts, Upstream
+
+log = logging.getLogger("kvgate")
+
+
+def build_client(
+    settings: Settings, transport: httpx.AsyncBaseTransport | None = None
+) -> httpx.AsyncClient:
+    """The one shared upstream client: explicit timeouts (never httpx's 5 s default)."""
+    t = settings.timeouts
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=t.connect_s, read=t.read_s, write=t.write_s, pool=t.pool_s),
+        limits=httpx.Limits(
+            max_connections=settings.max_connections,
+            max_keepalive_connections=settings.max_connections,
+        ),
+        transport=transport,
+        follow_redirects=False,
+        trust_env=False,
+    )
+
+
+def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """The gateway app. ``transport`` replaces the network in tests."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client = build_client(settings, transport)
+        registry = EngineRegistry(
+            failure_threshold=settings.health.failure_threshold,
+            recovery_threshold=settings.health.recovery_threshold,
+            cooldown_s=settings.health.cooldown_s,
+        )
+        for e in settings.engines:
+            registry.add(
+                e.url,
+                role=EngineRole(e.role),
+                model=e.model,
+                api_key=e.api_key.get_secret_value() if e.api_key else None,
+            )
+        policy = create_policy(
+            settings.policy.name,
+            PolicyContext(seed=settings.seed, block_size=settings.block_size),
+            settings.policy.options,
+        )
+        dispatcher = Dispatcher(policy)
+        metrics = GatewayMetrics()
+        metrics.watch_engines(registry, lambda: dict(dispatcher.in_flight))
+        monitor = EngineMonitor(
+            registry,
+            client,
+            interval_s=settings.health.interval_s,
+            timeout_s=settings.health.timeout_s,
+        )
+        t = settings.timeouts
+        upstream: Upstream = (
+            HttpxUpstream(transport)
+            if transport is not None
+            else HttpcoreUpstream(
+                Timeouts(t.connect_s, t.read_s, t.write_s, t.pool_s),
+                max_connections=settings.max_connections,
+            )
+        )
+        forwarder = Forwarder(settings, upstream, registry, dispatcher, metrics)
+        app.state.gateway = GatewayState(
+            settings=settings,
+            client=client,
+            registry=registry,
+            dispatcher=dispatcher,
+            metrics=metrics,
+            monitor=monitor,
+            forwarder=forwarder,
+            keyer=RoutingKeyer(settings.block_size, settings.chars_per_token, settings.seed),
+        )
+        await monitor.check_all()
+        monitor.start()
+        log.info("kvgate ready", extra={"policy": policy.name, "engines": len(registry)})
+        try:
+            yield
+        finally:
+            await monitor.stop()
+            await client.aclose()
+            if transport is None:
+                await upstream.aclose()
+
+    app = FastAPI(title="kvgate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_handlers(app)
+    app.add_middleware(OpenAIFastPath)
+    app.include_router(routes_openai.router)
+    app.include_router(routes_admin.router)
+    app.include_router(routes_admin.admin)
+    return app

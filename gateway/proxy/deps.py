@@ -1,0 +1,91 @@
+"""Per-app state and request dependencies (auth, body reading)."""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from dataclasses import dataclass
+
+import httpx
+from fastapi import Request
+
+from gateway.cluster.monitor import EngineMonitor
+from gateway.cluster.registry import EngineRegistry
+from gateway.config import Settings
+from gateway.observability import GatewayMetrics
+from gateway.policies.dispatcher import Dispatcher
+from gateway.proxy.errors import ApiError
+from gateway.proxy.forwarder import Forwarder
+from gateway.proxy.routing_key import RoutingKeyer
+
+
+@dataclass(slots=True)
+class GatewayState:
+    """Everything the routes use, built in the app's lifespan."""
+
+    settings: Settings
+    client: httpx.AsyncClient
+    registry: EngineRegistry
+    dispatcher: Dispatcher
+    metrics: GatewayMetrics
+    monitor: EngineMonitor
+    forwarder: Forwarder
+    keyer: RoutingKeyer
+
+
+def get_state(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.gateway
+    return state
+
+
+def _bearer(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _matches(secret: str, given: str | None) -> bool:
+    return given is not None and hmac.compare_digest(secret.encode(), given.encode())
+
+
+async def require_client_key(request: Request) -> None:
+    """When client API keys are configured, one of them must come as a Bearer token."""
+    from gateway.proxy.fastpath import check_client_key
+
+    check_client_key(get_state(request), request.headers.get("authorization"))
+
+
+async def require_admin(request: Request) -> None:
+    """Admin routes: the admin key when configured, else loopback callers only."""
+    admin = get_state(request).settings.admin_key
+    if admin is not None:
+        given = _bearer(request) or request.headers.get("x-admin-key")
+        if not _matches(admin.get_secret_value(), given):
+            raise ApiError(401, "admin key required", headers={"WWW-Authenticate": "Bearer"})
+        return
+    host = request.client.host if request.client else ""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host in {"localhost", "testclient"}
+    if not loopback:
+        raise ApiError(403, "admin routes need an admin key when called from another host")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing more than ``limit`` bytes with a 413."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise ApiError(413, f"request body is larger than {limit} bytes")
+        except ValueError:
+            raise ApiError(400, "invalid Content-Length header") from None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body is larger than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)

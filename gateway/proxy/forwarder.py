@@ -1,0 +1,359 @@
+"""Forward one request to an engine chosen by the policy, retrying before the first byte.
+
+The attempt loop: build the view (engines serving the model, minus the ones
+already tried), ask the dispatcher, send. Connection errors, timeouts and 5xx
+answers *before any byte reached the client* are retried on another engine
+with backoff, up to ``retries.max_attempts``. A 4xx from the engine is the
+client's problem and is passed through. Once streaming has started the
+response is committed: an upstream failure ends the stream with an OpenAI
+error event and ``data: [DONE]``; a client disconnect closes the upstream
+request (which makes vLLM abort it). Every path ends in exactly one
+``Dispatcher.finished`` call per attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+
+import anyio
+from starlette.background import BackgroundTask
+from starlette.responses import Response, StreamingResponse
+
+from gateway.cluster.registry import EngineRegistry, EngineState
+from gateway.config import Settings
+from gateway.core.types import ClusterView, Decision, RequestInfo
+from gateway.observability import GatewayMetrics
+from gateway.policies.dispatcher import Dispatcher
+from gateway.proxy.errors import ApiError, error_body
+from gateway.proxy.upstream import Upstream, UpstreamConnectError, UpstreamError, UpstreamResponse
+
+log = logging.getLogger("kvgate.proxy")
+
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_TAIL_BYTES = 4096
+FORWARD_HEADERS = ("x-vllm-priority", "x-session-id")
+"""Client headers passed on to the engine; nothing else of the client's is forwarded."""
+_JSON = (b"content-type", b"application/json")
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One client request on its way through the gateway."""
+
+    route: str
+    path: str
+    raw: bytes
+    info: RequestInfo
+    model: str | None
+    stream: bool
+    request_id: str
+    client_headers: dict[str, str] = field(default_factory=dict)
+    started: float = 0.0
+    attempts: int = 0
+    engine: str | None = None
+
+
+class _RetryableError(Exception):
+    def __init__(self, reason: str, detail: str, *, immediate: bool = False) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+        self.immediate = immediate
+
+
+class Forwarder:
+    """Routes and proxies requests; owns no state beyond its collaborators'."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        upstream: Upstream,
+        registry: EngineRegistry,
+        dispatcher: Dispatcher,
+        metrics: GatewayMetrics,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.upstream = upstream
+        self.registry = registry
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.clock = clock
+        self.policy = dispatcher.policy.name
+
+    async def forward(self, ex: Exchange) -> Response:
+        retries = self.settings.retries
+        tried: list[str] = []
+        last: _RetryableError | None = None
+        for attempt in range(retries.max_attempts):
+            view = self.registry.view(self.dispatcher.in_flight, model=ex.model, exclude=tried)
+            if tried and not any(e.healthy for e in view.engines):
+                # every other engine was tried: one still in routing may be retried (a stale
+                # keep-alive connection, say, fails once and then works)
+                view = self.registry.view(self.dispatcher.in_flight, model=ex.model)
+            if not any(e.healthy for e in view.engines):
+                break
+            decision = self._route(ex, view)
+            engine = self.registry.get(decision.engine)
+            if engine is None:  # pragma: no cover - removed between view and route
+                self.dispatcher.finished(ex.info, decision.engine, self.clock(), ok=False)
+                tried.append(decision.engine)
+                continue
+            ex.attempts = attempt + 1
+            ex.engine = engine.id
+            try:
+                if ex.stream:
+                    return await self._stream(ex, engine)
+                return await self._unary(ex, engine)
+            except _RetryableError as exc:
+                last = exc
+                self._failed_attempt(ex, engine, exc)
+                tried.append(engine.id)
+                if attempt + 1 < retries.max_attempts:
+                    self.metrics.retries.labels(ex.route, exc.reason).inc()
+                    await asyncio.sleep(min(retries.backoff_max_s, retries.backoff_s * 2**attempt))
+        outcome = "no_engine" if last is None else "engine_error"
+        self.metrics.requests.labels(ex.route, self.policy, outcome).inc()
+        detail = (
+            "no healthy engine serves this model"
+            if last is None
+            else (
+                f"no engine could serve the request after {ex.attempts} attempt(s); "
+                f"last error: {last.detail}"
+            )
+        )
+        raise ApiError(503, detail, headers={"Retry-After": "1"})
+
+    # -- one attempt -------------------------------------------------------------
+    def _route(self, ex: Exchange, view: ClusterView) -> Decision:
+        t0 = time.perf_counter()
+        decision = self.dispatcher.route(ex.info, view, self.clock())
+        self.metrics.decision_seconds.labels(self.policy).observe(time.perf_counter() - t0)
+        self.metrics.decisions.labels(self.policy, decision.reason or "none").inc()
+        self.metrics.prompt_tokens.labels(self.policy).inc(ex.info.prompt_tokens)
+        self.metrics.expected_hit_tokens.labels(self.policy).inc(
+            min(decision.expected_hit_tokens, ex.info.prompt_tokens)
+        )
+        uncached = max(0, ex.info.prompt_tokens - decision.expected_hit_tokens)
+        self.registry.add_pending(decision.engine, ex.request_id, uncached)
+        return decision
+
+    def _headers(self, ex: Exchange, engine: EngineState) -> list[tuple[bytes, bytes]]:
+        headers = [_JSON, (b"x-request-id", ex.request_id.encode())]
+        if engine.api_key:
+            headers.append((b"authorization", b"Bearer " + engine.api_key.encode()))
+        for name, value in ex.client_headers.items():
+            headers.append((name.encode(), value.encode()))
+        return headers
+
+    def _response_headers(self, ex: Exchange) -> dict[str, str]:
+        headers = {"x-request-id": ex.request_id}
+        if self.settings.expose_engine_header and ex.engine:
+            headers["x-kvgate-engine"] = ex.engine
+        return headers
+
+    async def _send(self, ex: Exchange, engine: EngineState) -> UpstreamResponse:
+        try:
+            resp = await self.upstream.send(engine.url + ex.path, self._headers(ex, engine), ex.raw)
+        except UpstreamError as exc:
+            raise _RetryableError(
+                exc.reason, str(exc), immediate=isinstance(exc, UpstreamConnectError)
+            ) from None
+        if resp.status >= 500:
+            try:
+                content = await resp.read()
+            except UpstreamError:
+                content = b""
+            raise _RetryableError(f"status_{resp.status}", _upstream_detail(resp.status, content))
+        return resp
+
+    async def _unary(self, ex: Exchange, engine: EngineState) -> Response:
+        resp = await self._send(ex, engine)
+        try:
+            content = await resp.read()
+        except UpstreamError as exc:
+            raise _RetryableError(exc.reason, str(exc)) from None
+        now = self.clock()
+        self.registry.clear_pending(engine.id, ex.request_id)
+        ok = resp.status < 400
+        output = _completion_tokens(content) if ok else None
+        if ok:
+            self.dispatcher.first_token(ex.info, engine.id, now)
+            self.metrics.ttft.labels(ex.route).observe(now - ex.started)
+        self._finish(
+            ex, engine, ok=ok, output=output, outcome="ok" if ok else "engine_client_error"
+        )
+        return Response(
+            content=content,
+            status_code=resp.status,
+            media_type=_content_type(resp),
+            headers=self._response_headers(ex),
+        )
+
+    async def _stream(self, ex: Exchange, engine: EngineState) -> Response:
+        resp = await self._send(ex, engine)
+        if resp.status != 200:
+            try:
+                content = await resp.read()
+            except UpstreamError as exc:
+                raise _RetryableError(exc.reason, str(exc)) from None
+            self.registry.clear_pending(engine.id, ex.request_id)
+            self._finish(ex, engine, ok=False, output=None, outcome="engine_client_error")
+            return Response(
+                content=content,
+                status_code=resp.status,
+                media_type=_content_type(resp),
+                headers=self._response_headers(ex),
+            )
+        chunks = resp.chunks()
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            first = b""
+        except UpstreamError as exc:
+            await resp.close()
+            raise _RetryableError(exc.reason, str(exc)) from None
+        now = self.clock()
+        self.registry.clear_pending(engine.id, ex.request_id)
+        self.dispatcher.first_token(ex.info, engine.id, now)
+        self.metrics.ttft.labels(ex.route).observe(now - ex.started)
+        relay = _Relay(self, ex, engine, resp=resp, first=first, chunks=chunks)
+        return StreamingResponse(
+            relay.run(),
+            media_type="text/event-stream",
+            headers={**self._response_headers(ex), "cache-control": "no-cache"},
+            background=BackgroundTask(relay.close),
+        )
+
+    # -- bookkeeping -------------------------------------------------------------
+    def _failed_attempt(self, ex: Exchange, engine: EngineState, exc: _RetryableError) -> None:
+        self.registry.clear_pending(engine.id, ex.request_id)
+        self.dispatcher.finished(ex.info, engine.id, self.clock(), ok=False)
+        self.metrics.engine_errors.labels(engine.id, exc.reason).inc()
+        if self.registry.mark_failure(engine.id, exc.detail, self.clock(), immediate=exc.immediate):
+            log.warning(
+                "engine %s taken out of routing: %s",
+                engine.id,
+                exc.detail,
+                extra={"request_id": ex.request_id},
+            )
+        log.info(
+            "attempt %d on %s failed: %s",
+            ex.attempts,
+            engine.id,
+            exc.detail,
+            extra={"request_id": ex.request_id, "engine": engine.id},
+        )
+
+    def _finish(
+        self, ex: Exchange, engine: EngineState, *, ok: bool, output: int | None, outcome: str
+    ) -> None:
+        now = self.clock()
+        info = ex.info if output is None else replace(ex.info, output_tokens=output)
+        self.dispatcher.finished(info, engine.id, now, ok=ok)
+        if ok:
+            self.registry.mark_success(engine.id, now)
+            self.metrics.e2e.labels(ex.route).observe(now - ex.started)
+        self.metrics.requests.labels(ex.route, self.policy, outcome).inc()
+        if self.settings.log_requests:
+            log.info(
+                "request done",
+                extra={
+                    "request_id": ex.request_id,
+                    "route": ex.route,
+                    "model": ex.model,
+                    "engine": engine.id,
+                    "outcome": outcome,
+                    "attempts": ex.attempts,
+                    "stream": ex.stream,
+                    "prompt_tokens_est": ex.info.prompt_tokens,
+                    "output_tokens": output,
+                    "duration_s": round(now - ex.started, 6),
+                },
+            )
+
+
+class _Relay:
+    """Passes an upstream SSE stream through chunk by chunk, and cleans up once."""
+
+    def __init__(
+        self,
+        fwd: Forwarder,
+        ex: Exchange,
+        engine: EngineState,
+        *,
+        resp: UpstreamResponse,
+        first: bytes,
+        chunks: AsyncIterator[bytes],
+    ) -> None:
+        self.fwd = fwd
+        self.ex = ex
+        self.engine = engine
+        self.resp = resp
+        self.first = first
+        self.chunks = chunks
+        self.tail = b""
+        self.events = 0
+        self.outcome = "cancelled"
+        self.done = False
+
+    async def run(self) -> AsyncIterator[bytes]:
+        try:
+            yield self._seen(self.first)
+            async for chunk in self.chunks:
+                yield self._seen(chunk)
+            self.outcome = "ok"
+        except UpstreamError as exc:
+            self.outcome = "engine_error_mid_stream"
+            detail = f"engine {self.engine.id} failed mid-stream: {exc}"
+            self.fwd.metrics.engine_errors.labels(self.engine.id, "mid_stream").inc()
+            self.fwd.registry.mark_failure(self.engine.id, detail, self.fwd.clock())
+            log.warning(detail, extra={"request_id": self.ex.request_id})
+            event = json.dumps(error_body(502, detail, error_type="upstream_error"))
+            yield f"data: {event}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.close()
+
+    def _seen(self, chunk: bytes) -> bytes:
+        self.events += chunk.count(b"data: ")
+        self.tail = (self.tail + chunk)[-_TAIL_BYTES:]
+        return chunk
+
+    async def close(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        await self.resp.close()
+        output = _completion_tokens(self.tail)
+        if output is None and self.events:
+            output = max(0, self.events - 2)  # minus the role chunk and [DONE]: an estimate
+        ok = self.outcome == "ok"
+        self.fwd._finish(
+            self.ex, self.engine, ok=ok, output=output if ok else None, outcome=self.outcome
+        )
+
+
+def _completion_tokens(content: bytes) -> int | None:
+    found = _COMPLETION_TOKENS.findall(content)
+    return int(found[-1]) if found else None
+
+
+def _content_type(resp: UpstreamResponse) -> str:
+    value = resp.header(b"content-type")
+    return value.decode("latin-1") if value else "application/json"
+
+
+def _upstream_detail(status: int, content: bytes) -> str:
+    try:
+        message = json.loads(content)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = content[:200].decode("utf-8", "replace")
+    return f"engine answered {status}: {message}"

@@ -1,0 +1,162 @@
+"""End to end: real processes (gateway + emulated engines) and the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import APIStatusError, AsyncOpenAI, OpenAI
+from procs import MODEL, Cluster, cluster
+
+pytestmark = pytest.mark.e2e
+
+SYSTEM = "You are kvgate's test assistant. Answer briefly and precisely. " * 30
+
+
+@pytest.fixture(scope="module")
+def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with cluster(tmp_path_factory.mktemp("e2e"), n=3) as c:
+        yield c
+
+
+def client(c: Cluster) -> OpenAI:
+    return OpenAI(base_url=c.gateway.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_chat_non_stream_and_stream(running: Cluster) -> None:
+    oa = client(running)
+    msgs = [{"role": "user", "content": "Say something."}]
+    r = oa.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12)  # type: ignore[arg-type]
+    assert r.choices[0].message.content
+    assert r.usage is not None and r.usage.completion_tokens <= 12
+    stream = oa.chat.completions.create(
+        model=MODEL,
+        messages=msgs,
+        max_tokens=12,
+        stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content  # the emulator is deterministic
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_completions_non_stream_and_stream(running: Cluster) -> None:
+    oa = client(running)
+    r = oa.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8)
+    assert r.choices[0].text and r.usage is not None
+    pieces = list(
+        oa.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, stream=True)
+    )
+    assert "".join(p.choices[0].text for p in pieces if p.choices) == r.choices[0].text
+
+
+def test_shared_prefix_lands_on_the_engine_that_has_it(running: Cluster) -> None:
+    oa = client(running)
+    engines, cached = [], []
+    for i in range(4):
+        raw = oa.chat.completions.with_raw_response.create(
+            model=MODEL,
+            max_tokens=4,
+            messages=[
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"question {i}"},
+            ],
+        )
+        engines.append(raw.headers["x-kvgate-engine"])
+        usage = raw.parse().usage
+        assert usage is not None
+        details = usage.prompt_tokens_details
+        cached.append(details.cached_tokens if details else 0)
+    assert len(set(engines)) == 1
+    assert cached[0] == 0 or cached[0] is None
+    assert all(c and c > 0 for c in cached[1:]), cached
+
+
+def test_bad_input_is_a_clean_4xx(running: Cluster) -> None:
+    oa = client(running)
+    with pytest.raises(APIStatusError) as info:
+        oa.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "x"}]
+        )
+    assert info.value.status_code == 404
+    r = httpx.post(
+        running.gateway.url + "/v1/chat/completions",
+        content=b"{oops",
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_client_disconnect_cancels_the_engine_request(running: Cluster) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": "long story",
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", running.gateway.url + "/v1/completions", json=body, timeout=30) as r:
+        engine = r.headers["x-kvgate-engine"]
+        for _ in r.iter_bytes():
+            break  # leave after the first chunk
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        metrics = httpx.get(engine + "/metrics").text
+        running_line = [
+            ln for ln in metrics.splitlines() if ln.startswith("vllm:num_requests_running")
+        ]
+        if running_line and running_line[0].endswith(" 0.0"):
+            return
+        time.sleep(0.1)
+    pytest.fail("the engine kept running the abandoned request")
+
+
+async def test_killing_an_engine_loses_no_unstarted_request(tmp_path: Path) -> None:
+    with cluster(tmp_path, n=3, policy="round_robin", time_scale=1.0) as c:
+        oa = AsyncOpenAI(base_url=c.gateway.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+        async def one(i: int, tokens: int = 150) -> str:
+            r = await oa.completions.with_raw_response.create(
+                model=MODEL,
+                prompt=f"request {i} " * 20,
+                max_tokens=tokens,
+                extra_body={"ignore_eos": True},
+            )
+            assert r.parse().usage.completion_tokens == tokens  # type: ignore[union-attr]
+            return r.headers["x-kvgate-engine"]
+
+        tasks = [asyncio.create_task(one(i)) for i in range(12)]
+        await asyncio.sleep(0.4)  # every request is in flight (each takes ~1.2 s of decode)
+        victim = c.engines[0]
+        victim.kill()
+        served = await asyncio.gather(*tasks)
+        assert len(served) == 12
+        assert victim.url not in served  # its requests were retried elsewhere
+        deadline = time.monotonic() + 5
+        while True:
+            admin = httpx.get(c.gateway.url + "/admin/engines").json()["engines"]
+            dead = next(e for e in admin if e["url"] == victim.url)
+            if dead["health"] == "unhealthy" or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        assert dead["health"] == "unhealthy"
+        later = [await one(100 + i, tokens=4) for i in range(6)]
+        assert victim.url not in later
+        text = httpx.get(c.gateway.url + "/metrics").text
+        assert "kvgate_retries_total" in text
+        failed = [
+            ln
+            for ln in text.splitlines()
+            if ln.startswith("kvgate_requests_total")
+            and 'outcome="ok"' not in ln
+            and not ln.endswith(" 0.0")
+        ]
+        assert not failed, json.dumps(failed)

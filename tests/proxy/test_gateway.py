@@ -1,0 +1,272 @@
+"""The gateway app against fake engines: proxying, validation, retries, auth, admin."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+from fake_engines import FakeCluster, FakeEngine
+
+from gateway.config import load_settings
+from gateway.proxy.app import create_app
+
+A, B, C = "http://a:1", "http://b:1", "http://c:1"
+
+
+@asynccontextmanager
+async def gateway(*engines: FakeEngine, **settings: Any) -> AsyncIterator[httpx.AsyncClient]:
+    cluster = FakeCluster(*engines)
+    cfg = load_settings(
+        engines=[{"url": e.url} for e in engines],
+        retries={"max_attempts": 3, "backoff_s": 0.0},
+        log_requests=False,
+        **settings,
+    )
+    app = create_app(cfg, transport=cluster.transport())
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 5000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            yield client
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi " * 100}]}
+
+
+async def test_completion_is_forwarded_byte_for_byte() -> None:
+    a = FakeEngine(A)
+    async with gateway(a) as gw:
+        raw = b'{"model":"m","prompt":"hello world","max_tokens":3,"unknown_field":[1,2]}'
+        r = await gw.post(
+            "/v1/completions",
+            content=raw,
+            headers={"content-type": "application/json", "x-request-id": "abc-1"},
+        )
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["text"] == f"hello from {A}"
+    assert a.raw == [raw]
+    assert a.headers[0]["x-request-id"] == "abc-1"
+    assert "authorization" not in a.headers[0]
+    assert r.headers["x-request-id"] == "abc-1"
+    assert r.headers["x-kvgate-engine"] == A
+
+
+async def test_stream_passes_sse_through_intact() -> None:
+    async with gateway(FakeEngine(A)) as gw:
+        r = await gw.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in r.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 3
+    assert len(events) == 5
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"", 400, "empty"),
+        (b"[1,2]", 400, "must be a JSON object"),
+        (b'{"model":"m"}', 400, "messages: field required"),
+        (b'{"model":"m","messages":[]}', 400, "messages"),
+        (b'{"model":"m","messages":[{"role":"user","content":"x"}],"stream":"yes"}', 400, "stream"),
+        (b'{"model":"m","messages":[{"role":"user","content":5}]}', 400, "content"),
+        (b'{"model":"m","messages":[{"content":"x"}]}', 400, "role"),
+        (b'{"model":"nope","messages":[{"role":"user","content":"x"}]}', 404, "nope"),
+        (
+            b'{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":-1}',
+            400,
+            "max_tokens",
+        ),
+        (b"\xff\xfe", 400, "UTF-8"),
+        (b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
+    ],
+)
+async def test_bad_input_is_a_4xx_and_never_forwarded(
+    body: bytes, status: int, message: str
+) -> None:
+    a = FakeEngine(A)
+    async with gateway(a) as gw:
+        r = await gw.post(
+            "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+        )
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert message in err["message"]
+    assert err["code"] == status and err["type"]
+    assert a.seen == []
+
+
+async def test_oversized_body_is_413() -> None:
+    a = FakeEngine(A)
+    async with gateway(a, max_body_bytes=2048) as gw:
+        r = await gw.post("/v1/completions", json={"model": "m", "prompt": "x" * 5000})
+    assert r.status_code == 413
+    assert a.seen == []
+
+
+@pytest.mark.parametrize("mode", ["status503", "status500", "refuse"])
+async def test_failure_before_first_byte_is_retried_elsewhere(mode: str) -> None:
+    bad, good = FakeEngine(A), FakeEngine(B)
+    async with gateway(bad, good, policy={"name": "round_robin"}) as gw:
+        bad.mode = mode  # healthy at start-up, failing afterwards
+        results = [
+            await gw.post("/v1/completions", json={"model": "m", "prompt": f"p{i}"})
+            for i in range(4)
+        ]
+        metrics = (await gw.get("/metrics")).text
+        engines = (await gw.get("/admin/engines")).json()["engines"]
+    assert [r.status_code for r in results] == [200] * 4
+    assert all(r.headers["x-kvgate-engine"] == B for r in results)
+    assert 1 <= len(bad.seen) <= 2 or mode == "refuse"
+    assert len(good.seen) == 4
+    assert "kvgate_retries_total" in metrics
+    assert engines[0]["health"] == "unhealthy" and engines[0]["last_error"]
+
+
+async def test_client_errors_from_the_engine_are_not_retried() -> None:
+    a = FakeEngine(A, mode="status400")
+    b = FakeEngine(B, mode="status400")
+    async with gateway(a, b) as gw:
+        r = await gw.post("/v1/completions", json={"model": "m", "prompt": "x"})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "fake 400"
+    assert len(a.seen) + len(b.seen) == 1
+
+
+async def test_all_engines_failing_gives_503_with_retry_after() -> None:
+    a, b = FakeEngine(A), FakeEngine(B)
+    async with gateway(a, b) as gw:
+        a.mode = b.mode = "status503"
+        r = await gw.post("/v1/completions", json={"model": "m", "prompt": "x"})
+    assert r.status_code == 503
+    assert r.headers["retry-after"] == "1"
+    # three attempts (the configured maximum): both engines, then the first again
+    assert "after 3 attempt" in r.json()["error"]["message"]
+    assert (len(a.seen), len(b.seen)) == (2, 1)
+
+
+async def test_no_engine_up_is_503_and_not_ready() -> None:
+    async with gateway(FakeEngine(A, mode="refuse")) as gw:
+        ready = await gw.get("/ready")
+        r = await gw.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        health = await gw.get("/health")
+    assert ready.status_code == 503
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "service_unavailable"
+    assert health.status_code == 200
+
+
+async def test_mid_stream_failure_ends_with_error_event_and_done() -> None:
+    async with gateway(FakeEngine(A, mode="midstream")) as gw:
+        r = await gw.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
+    events = [e for e in r.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    err = json.loads(events[-2][6:])["error"]
+    assert "mid-stream" in err["message"]
+    assert events[0].startswith("data: {")
+
+
+async def test_models_union_and_unknown_model() -> None:
+    async with gateway(FakeEngine(A, model="m1"), FakeEngine(B, model="m2")) as gw:
+        models = (await gw.get("/v1/models")).json()
+        missing = await gw.post("/v1/completions", json={"prompt": "x"})
+        routed = await gw.post("/v1/completions", json={"model": "m2", "prompt": "x"})
+    assert [m["id"] for m in models["data"]] == ["m1", "m2"]
+    assert missing.status_code == 400 and "model is required" in missing.json()["error"]["message"]
+    assert routed.headers["x-kvgate-engine"] == B
+
+
+async def test_client_api_keys() -> None:
+    async with gateway(FakeEngine(A), api_keys=["k1", "k2"]) as gw:
+        none = await gw.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        wrong = await gw.post(
+            "/v1/completions",
+            json={"model": "m", "prompt": "x"},
+            headers={"authorization": "Bearer k3"},
+        )
+        right = await gw.post(
+            "/v1/completions",
+            json={"model": "m", "prompt": "x"},
+            headers={"authorization": "Bearer k2"},
+        )
+        health = await gw.get("/health")
+    assert none.status_code == 401 and wrong.status_code == 401
+    assert none.json()["error"]["type"] == "authentication_error"
+    assert right.status_code == 200 and health.status_code == 200
+
+
+async def test_admin_membership_and_admin_key() -> None:
+    a, b = FakeEngine(A), FakeEngine(B)
+    cluster = FakeCluster(a, b)
+    cfg = load_settings(engines=[{"url": A}], admin_key="sekret", log_requests=False)
+    app = create_app(cfg, transport=cluster.transport())
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 5000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as gw:
+            denied = await gw.get("/admin/engines")
+            auth = {"authorization": "Bearer sekret"}
+            added = await gw.post("/admin/engines", json={"url": B}, headers=auth)
+            dup = await gw.post("/admin/engines", json={"url": B}, headers=auth)
+            bad = await gw.post("/admin/engines", json={"url": "ftp://x"}, headers=auth)
+            listed = (await gw.get("/admin/engines", headers=auth)).json()
+            removed = await gw.delete("/admin/engines", params={"url": A}, headers=auth)
+            after = (await gw.get("/admin/engines", headers=auth)).json()
+            routed = await gw.post("/v1/completions", json={"model": "m", "prompt": "x"})
+    assert denied.status_code == 401
+    assert added.status_code == 201 and added.json()["health"] == "healthy"
+    assert dup.status_code == 409 and bad.status_code == 400
+    assert [e["id"] for e in listed["engines"]] == [A, B]
+    assert listed["engines"][0]["metrics"]["waiting"] == 0
+    assert removed.status_code == 200
+    assert [e["id"] for e in after["engines"]] == [B]
+    assert routed.headers["x-kvgate-engine"] == B
+
+
+async def test_admin_without_key_is_loopback_only() -> None:
+    cluster = FakeCluster(FakeEngine(A))
+    app = create_app(load_settings(engines=[{"url": A}]), transport=cluster.transport())
+    async with app.router.lifespan_context(app):
+        for host, status in (("127.0.0.1", 200), ("10.1.2.3", 403)):
+            transport = httpx.ASGITransport(app=app, client=(host, 5000))
+            async with httpx.AsyncClient(transport=transport, base_url="http://gw") as gw:
+                assert (await gw.get("/admin/engines")).status_code == status
+
+
+async def test_shared_prefix_follows_the_engine_that_has_it() -> None:
+    engines = [FakeEngine(u) for u in (A, B, C)]
+    system = {"role": "system", "content": "You are a careful assistant. " * 40}
+    async with gateway(*engines, policy={"name": "cache_aware"}) as gw:
+        picks = []
+        for i in range(6):
+            body = {"model": "m", "messages": [system, {"role": "user", "content": f"q{i}"}]}
+            r = await gw.post("/v1/chat/completions", json=body)
+            picks.append(r.headers["x-kvgate-engine"])
+        other = await gw.post(
+            "/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "system", "content": "Different. " * 80}]},
+        )
+    assert len(set(picks)) == 1
+    assert other.headers["x-kvgate-engine"] != picks[0]
+
+
+async def test_metrics_endpoint_exports_kvgate_series() -> None:
+    async with gateway(FakeEngine(A)) as gw:
+        await gw.post("/v1/completions", json={"model": "m", "prompt": "x" * 300})
+        text = (await gw.get("/metrics")).text
+    for name in (
+        "kvgate_requests_total",
+        "kvgate_routing_decision_seconds_bucket",
+        "kvgate_time_to_first_token_seconds_bucket",
+        "kvgate_engine_healthy",
+        "kvgate_engine_in_flight",
+        "kvgate_engine_waiting_requests",
+        "kvgate_routed_prompt_tokens_total",
+        "kvgate_routed_expected_hit_tokens_total",
+    ):
+        assert name in text, name
+    assert 'outcome="ok"' in text
