@@ -44,6 +44,7 @@ class _Conn:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
+        self.used = time.perf_counter()
 
     async def post(self, request: bytes) -> int:
         self.writer.write(request)
@@ -79,6 +80,8 @@ async def load(url: str, rate: float, seconds: float, stream: bool) -> tuple[lis
     async def one() -> None:
         nonlocal errors
         t0 = time.perf_counter()
+        while idle and idle[0].used < time.perf_counter() - 2.0:  # servers close idle ones
+            idle.pop(0).writer.close()
         conn = idle.pop() if idle else _Conn(*await asyncio.open_connection(host, int(port)))
         try:
             status = await conn.post(request)
@@ -87,6 +90,7 @@ async def load(url: str, rate: float, seconds: float, stream: bool) -> tuple[lis
             print(f"request failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             conn.writer.close()
             return
+        conn.used = time.perf_counter()
         idle.append(conn)
         if status != 200:
             errors += 1

@@ -92,7 +92,12 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     engines: list[EngineConfig] = Field(default_factory=list)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
-    block_size: int = Field(default=16, ge=1, description="engine KV block size in tokens")
+    block_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="engine KV block size in tokens; unset: the engines' own (from "
+        "vllm:cache_config_info), 16 until one reports",
+    )
     chars_per_token: float = Field(
         default=4.0, gt=0, description="text chunk = block tokens x this"
     )

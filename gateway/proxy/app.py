@@ -45,6 +45,25 @@ def build_client(
     )
 
 
+def adopt_block_size(state: GatewayState) -> None:
+    """Key prompts on the block size the engines report (``vllm:cache_config_info``)."""
+    sizes = sorted(
+        {
+            e.metrics.block_size
+            for e in state.registry.all()
+            if e.routable and e.metrics is not None and e.metrics.block_size
+        }
+    )
+    if not sizes:
+        return
+    size = sizes[0] if len(sizes) == 1 else max(sizes)
+    if len(sizes) > 1:
+        log.warning("engines report different KV block sizes %s; keying on %d", sizes, size)
+    if size != state.keyer.block_size:
+        log.info("keying prompts on the engines' block size", extra={"block_size": size})
+        state.keyer.set_block_size(size)
+
+
 def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
     """The gateway app. ``transport`` replaces the network in tests."""
 
@@ -65,7 +84,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             )
         policy = create_policy(
             settings.policy.name,
-            PolicyContext(seed=settings.seed, block_size=settings.block_size),
+            PolicyContext(seed=settings.seed, block_size=settings.block_size or 16),
             settings.policy.options,
         )
         dispatcher = Dispatcher(policy)
@@ -95,9 +114,14 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             metrics=metrics,
             monitor=monitor,
             forwarder=forwarder,
-            keyer=RoutingKeyer(settings.block_size, settings.chars_per_token, settings.seed),
+            keyer=RoutingKeyer(settings.block_size or 16, settings.chars_per_token, settings.seed),
         )
         await monitor.check_all()
+        if settings.block_size is None:
+            adopt_block_size(app.state.gateway)
+            monitor.on_change = lambda _engine, healthy: (
+                adopt_block_size(app.state.gateway) if healthy else None
+            )
         monitor.start()
         log.info("kvgate ready", extra={"policy": policy.name, "engines": len(registry)})
         try:

@@ -73,10 +73,16 @@ class RoutingKeyer:
     """Turns prompts into (block hashes, estimated prompt tokens)."""
 
     def __init__(self, block_size: int = 16, chars_per_token: float = 4.0, seed: int = 0) -> None:
-        self.block_size = block_size
         self.chars_per_token = chars_per_token
-        self.chunk_chars = max(1, round(block_size * chars_per_token))
         self.seed = seed
+        self.block_size = block_size
+        self.chunk_chars = 1
+        self.set_block_size(block_size)
+
+    def set_block_size(self, block_size: int) -> None:
+        """Key on blocks of ``block_size`` tokens from now on."""
+        self.block_size = block_size
+        self.chunk_chars = max(1, round(block_size * self.chars_per_token))
 
     def key(self, prompt: str | list[int]) -> tuple[tuple[int, ...], int]:
         if isinstance(prompt, list):

@@ -20,7 +20,7 @@ vllm:prefix_cache_queries_total{{engine="0",model_name="{model}"}} 100.0
 # TYPE vllm:prefix_cache_hits counter
 vllm:prefix_cache_hits_total{{engine="0",model_name="{model}"}} 40.0
 # TYPE vllm:cache_config_info gauge
-vllm:cache_config_info{{block_size="16",enable_prefix_caching="True",num_gpu_blocks="1000"}} 1.0
+vllm:cache_config_info{{block_size="{block_size}",num_gpu_blocks="1000"}} 1.0
 """
 
 
@@ -32,6 +32,7 @@ class FakeEngine:
     model: str = "m"
     mode: str = "ok"  # ok | refuse | status503 | status500 | status400 | midstream | hang_health
     waiting: int = 0
+    block_size: int = 16
     seen: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     raw: list[bytes] = field(default_factory=list)
@@ -46,7 +47,10 @@ class FakeEngine:
             return httpx.Response(200, json={"object": "list", "data": [{"id": self.model}]})
         if path == "/metrics":
             return httpx.Response(
-                200, text=METRICS.format(model=self.model, running=1, waiting=self.waiting)
+                200,
+                text=METRICS.format(
+                    model=self.model, running=1, waiting=self.waiting, block_size=self.block_size
+                ),
             )
         body = json.loads(request.content)
         self.seen.append(body)

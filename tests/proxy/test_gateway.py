@@ -270,3 +270,16 @@ async def test_metrics_endpoint_exports_kvgate_series() -> None:
     ):
         assert name in text, name
     assert 'outcome="ok"' in text
+
+
+@pytest.mark.parametrize(("configured", "expected"), [(None, 32), (16, 16)])
+async def test_block_size_follows_the_engines_unless_configured(
+    configured: int | None, expected: int
+) -> None:
+    engine = FakeEngine(A, block_size=32)
+    cluster = FakeCluster(engine)
+    cfg = load_settings(engines=[{"url": A}], block_size=configured, log_requests=False)
+    app = create_app(cfg, transport=cluster.transport())
+    async with app.router.lifespan_context(app):
+        assert app.state.gateway.keyer.block_size == expected
+        assert app.state.gateway.keyer.chunk_chars == expected * 4
