@@ -102,6 +102,10 @@ class Settings(BaseSettings):
         default=4.0, gt=0, description="text chunk = block tokens x this"
     )
     seed: int = 0
+    preset: str = Field(
+        default="llama3-8b-h100",
+        description="engine performance preset (name or file) for cost-aware policies",
+    )
     api_keys: list[SecretStr] = Field(default_factory=list, description="client keys (Bearer)")
     admin_key: SecretStr | None = None
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)

@@ -37,6 +37,11 @@ def register(sub: Any) -> None:
         metavar="X",
         help="engine time multiplier (0.1 = ten times faster than the preset)",
     )
+    p.add_argument(
+        "--priority-groups",
+        action="store_true",
+        help="engines admit by Preble's cache-hit priority groups (pairs with --policy preble)",
+    )
     p.set_defaults(handler=run)
 
 
@@ -132,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
                         str(i),
                         "--log-level",
                         "warning",
+                        *(["--priority-groups"] if args.priority_groups else []),
                     ]
                 )
             )
@@ -141,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
             policy={"name": args.policy},
             port=args.port,
             log_requests=False,
+            preset=args.preset,
         )
         configure_logging("warning")
         print(banner(args.port, args.model, urls, args.policy), flush=True)

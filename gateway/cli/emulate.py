@@ -65,6 +65,11 @@ def register(sub: Any) -> None:
         "--max-model-len", type=int, default=None, metavar="N", help="override max_model_len"
     )
     p.add_argument(
+        "--priority-groups",
+        action="store_true",
+        help="admit waiting requests by Preble's cache-hit priority groups instead of FCFS",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="uvicorn log level (default info)"
     )
     p.set_defaults(handler=run)
@@ -88,6 +93,7 @@ def settings_from_args(args: argparse.Namespace) -> EmulatorSettings:
         engine_index=args.engine_index,
         max_model_len=args.max_model_len,
         kv_capacity_blocks=args.kv_blocks,
+        priority_groups=args.priority_groups,
     )
 
 

@@ -72,11 +72,12 @@ class EngineDriver:
         time_scale: float = 1.0,
         seed: int = 0,
         observer: DriverObserver | None = None,
+        priority_groups: bool = False,
     ) -> None:
         if not time_scale > 0:
             raise ValueError(f"time_scale must be positive, got {time_scale}")
         self.model = model
-        self.core = EngineCore(engine_id, model, max_decode_run=1)
+        self.core = EngineCore(engine_id, model, max_decode_run=1, priority_groups=priority_groups)
         self.time_scale = time_scale
         self.seed = seed
         self.observer = observer

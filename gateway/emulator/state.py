@@ -33,6 +33,7 @@ class EmulatorSettings:
     engine_index: str = "0"
     max_model_len: int | None = None
     kv_capacity_blocks: int | None = None
+    priority_groups: bool = False
 
     def perf_model(self) -> PerfModel:
         """The preset with overrides applied; raises ConfigError on bad values."""
@@ -76,7 +77,11 @@ def build_state(settings: EmulatorSettings, perf: PerfModel) -> EmulatorState:
     """A fresh engine driver with its metrics on a new registry (not started)."""
     registry = CollectorRegistry()
     driver = EngineDriver(
-        perf, engine_id=settings.engine_index, time_scale=settings.time_scale, seed=settings.seed
+        perf,
+        engine_id=settings.engine_index,
+        time_scale=settings.time_scale,
+        seed=settings.seed,
+        priority_groups=settings.priority_groups,
     )
     tokens = perf.kv_capacity_blocks * perf.block_size
     cache_info = {

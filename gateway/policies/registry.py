@@ -11,6 +11,7 @@ from gateway.policies.base import Policy, PolicyContext, build_config
 from gateway.policies.cache_aware import CacheAwareConfig, CacheAwarePolicy
 from gateway.policies.least_loaded import LeastLoadedConfig, LeastLoadedPolicy
 from gateway.policies.power_of_two import PowerOfTwoConfig, PowerOfTwoPolicy
+from gateway.policies.preble import PrebleConfig, PreblePolicy
 from gateway.policies.round_robin import RoundRobinConfig, RoundRobinPolicy
 from gateway.policies.weighted_scorer import WeightedScorerConfig, WeightedScorerPolicy
 
@@ -33,6 +34,7 @@ POLICIES: Mapping[str, PolicyFactory] = MappingProxyType(
         "power_of_two": _factory(PowerOfTwoPolicy, PowerOfTwoConfig),
         "cache_aware": _factory(CacheAwarePolicy, CacheAwareConfig),
         "weighted_scorer": _factory(WeightedScorerPolicy, WeightedScorerConfig),
+        "preble": _factory(PreblePolicy, PrebleConfig),
     }
 )
 """Every policy kvgate ships, by registry key."""

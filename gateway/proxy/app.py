@@ -14,6 +14,7 @@ from gateway.cluster.registry import EngineRegistry
 from gateway.config import Settings
 from gateway.core.types import EngineRole
 from gateway.observability import GatewayMetrics
+from gateway.perfmodel.presets import load_preset
 from gateway.policies.base import PolicyContext
 from gateway.policies.dispatcher import Dispatcher
 from gateway.policies.registry import create_policy
@@ -84,7 +85,11 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             )
         policy = create_policy(
             settings.policy.name,
-            PolicyContext(seed=settings.seed, block_size=settings.block_size or 16),
+            PolicyContext(
+                seed=settings.seed,
+                block_size=settings.block_size or 16,
+                perf=load_preset(settings.preset),
+            ),
             settings.policy.options,
         )
         dispatcher = Dispatcher(policy)

@@ -1,0 +1,333 @@
+"""Preble: E2 (exploit/explore) global scheduling over a radix tree.
+
+Algorithm (Preble, arXiv 2407.00023, ICLR 2025; ``../shared/docs/algorithms.md`` §1):
+
+1. Match the prompt in the global radix tree. **Exploit** when the longest
+   cached match covers more tokens than it leaves uncached: route to the
+   engines holding that match, the one with the least window load.
+2. Otherwise **explore**: argmin over engines of ``L + M + P`` where
+   ``L`` = window load (prefill time of each routed request's uncached part +
+   its predicted output x the engine's TPOT, over the last ``window_s``),
+   ``M`` = eviction cost (simulated LRU eviction of the space this request
+   needs; each evicted node costs its prefill time x the share of window
+   requests that used it), ``P`` = prefill time of this request's part not
+   cached on the engine. Times come from the engine performance model.
+3. **P/D balancing** (explore only; the paper leaves the rule loose, this is
+   ours): among engines whose explore cost is within ``pd_margin`` of the
+   best, send this prefill-heavy request to the one whose window load is most
+   decode-heavy, so prefill and decode work mix on every engine.
+4. **Post-assignment rebalancing**: once ``rebalance_warmup`` x engines
+   requests were routed, if the chosen engine's load >= ``th_bal`` x the least
+   loaded engine's (and exceeds it by ``rebalance_min_gap_s``), send the
+   request to the least loaded engine instead.
+5. **Hot-prefix replication**: when the mean TTFT of requests through a shared
+   node in the second half of the window is >= ``replicate_ratio`` x the
+   first half, that prefix is marked on the least loaded engine too, so
+   exploit spreads its traffic over both.
+
+The tree learns placements when requests are routed, and forgets them from the
+engines' eviction events (``on_cache_event``: simulator, later vLLM KV events).
+For engines that send no events, evictions are modelled: an engine's cached
+blocks never exceed its KV capacity (LRU). Each mechanism has an on/off knob.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from gateway.core.types import ClusterView, Decision, EngineId, EngineView, RequestInfo
+from gateway.perfmodel.model import PerfModel
+from gateway.policies.base import PolicyBase, PolicyContext
+from gateway.policies.radix_tree import Node, RadixTree
+
+_FALLBACK_PERF = PerfModel(
+    name="preble-default",
+    prefill_a=5.0,
+    prefill_b=0.0325,
+    prefill_c=4.9e-5,
+    prefill_d=1.06e-6,
+    decode_e0=7.5,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PrebleConfig:
+    window_s: float = 180.0
+    max_tree_blocks: int = 1_000_000
+    explore: bool = True
+    rebalance: bool = True
+    th_bal: float = 1.5
+    rebalance_warmup: int = 50
+    rebalance_min_gap_s: float = 1.0
+    replicate: bool = True
+    replicate_ratio: float = 2.0
+    replicate_min_samples: int = 4
+    pd_balance: bool = True
+    pd_margin: float = 0.1
+    initial_tpot_s: float = 0.15
+    default_output_tokens: int = 128
+    eviction_cost_max_nodes: int = 256
+
+    def __post_init__(self) -> None:
+        if self.window_s <= 0 or self.max_tree_blocks <= 0 or self.th_bal < 1.0:
+            raise ValueError("window_s and max_tree_blocks must be positive, th_bal >= 1")
+        if self.pd_margin < 0:
+            raise ValueError("pd_margin must be >= 0")
+
+
+@dataclass(slots=True)
+class _Routed:
+    path: list[Node]
+    engine: EngineId
+    arrival: float
+    first_token: float | None = None
+
+
+class _WindowLoad:
+    """Per-engine sums of prefill and decode seconds routed within the window."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._log: deque[tuple[float, EngineId, float, float]] = deque()
+        self.prefill: dict[EngineId, float] = {}
+        self.decode: dict[EngineId, float] = {}
+        self._requests: deque[float] = deque()
+
+    def add(self, now: float, engine: EngineId, prefill_s: float, decode_s: float) -> None:
+        self._log.append((now, engine, prefill_s, decode_s))
+        self.prefill[engine] = self.prefill.get(engine, 0.0) + prefill_s
+        self.decode[engine] = self.decode.get(engine, 0.0) + decode_s
+        self._requests.append(now)
+
+    def expire(self, now: float) -> None:
+        horizon = now - self.window_s
+        log = self._log
+        while log and log[0][0] < horizon:
+            _, engine, p, d = log.popleft()
+            self.prefill[engine] = max(0.0, self.prefill[engine] - p)
+            self.decode[engine] = max(0.0, self.decode[engine] - d)
+        while self._requests and self._requests[0] < horizon:
+            self._requests.popleft()
+
+    def load(self, engine: EngineId) -> float:
+        return self.prefill.get(engine, 0.0) + self.decode.get(engine, 0.0)
+
+    def decode_share(self, engine: EngineId) -> float:
+        total = self.load(engine)
+        return self.decode.get(engine, 0.0) / total if total > 0 else 0.0
+
+    @property
+    def requests(self) -> int:
+        return len(self._requests)
+
+    def forget(self, engine: EngineId) -> None:
+        self.prefill.pop(engine, None)
+        self.decode.pop(engine, None)
+        self._log = deque(entry for entry in self._log if entry[1] != engine)
+
+
+class PreblePolicy(PolicyBase):
+    name: ClassVar[str] = "preble"
+    wants_cache_events: ClassVar[bool] = True
+
+    def __init__(self, ctx: PolicyContext, config: PrebleConfig | None = None) -> None:
+        self.config = config or PrebleConfig()
+        self.perf = ctx.perf or _FALLBACK_PERF
+        self.block_size = ctx.block_size
+        self.tree = RadixTree(window_s=self.config.window_s, max_blocks=self.config.max_tree_blocks)
+        self.loads = _WindowLoad(self.config.window_s)
+        self.tpot: dict[EngineId, float] = {}
+        self.capacity: dict[EngineId, int] = {}
+        self.exact: set[EngineId] = set()
+        self.routed = 0
+        self.replications = 0
+        self._requests: dict[str, _Routed] = {}
+        self._output_mean = float(self.config.default_output_tokens)
+        self._replicated_at: dict[int, float] = {}
+        self._engines: list[EngineId] = []
+
+    # -- decision -------------------------------------------------------------
+    def decide(self, req: RequestInfo, view: ClusterView, now: float) -> Decision:
+        cfg = self.config
+        healthy = view.healthy()
+        # Window bookkeeping is a function of time alone; observing capacity is a cache.
+        self.loads.expire(now)
+        self.tree.expire(now)
+        self._engines = [e.id for e in healthy]
+        for e in healthy:
+            if e.kv_capacity_blocks:
+                self.capacity[e.id] = e.kv_capacity_blocks
+        match = self.tree.match(req.block_hashes)
+        cached = {e.id: match.per_engine.get(e.id, 0) * self.block_size for e in healthy}
+        best = max(cached.values())
+        if best > req.prompt_tokens - best or not cfg.explore:
+            holders = [e for e in healthy if cached[e.id] == best]
+            chosen = min(holders, key=lambda e: self.loads.load(e.id))
+            reason = "preble:exploit" if best else "preble:cold"
+        else:
+            chosen, reason = self._explore(req, healthy, cached, match.path, now)
+        if cfg.rebalance and self.routed >= cfg.rebalance_warmup * len(healthy):
+            lightest = min(healthy, key=lambda e: self.loads.load(e.id))
+            heavy, light = self.loads.load(chosen.id), self.loads.load(lightest.id)
+            if heavy >= cfg.th_bal * light and heavy - light >= cfg.rebalance_min_gap_s:
+                chosen, reason = lightest, "preble:rebalance"
+        hit = min(cached[chosen.id], max(0, req.prompt_tokens - 1))
+        return Decision(engine=chosen.id, expected_hit_tokens=hit, reason=reason)
+
+    def _explore(
+        self,
+        req: RequestInfo,
+        healthy: Sequence[EngineView],
+        cached: dict[EngineId, int],
+        path: Sequence[Node],
+        now: float,
+    ) -> tuple[EngineView, str]:
+        cfg = self.config
+        since = now - cfg.window_s
+        total = max(1, self.loads.requests)
+        costs: list[tuple[float, EngineView]] = []
+        for e in healthy:
+            hit = min(cached[e.id], req.prompt_tokens - 1)
+            prefill = self.perf.prefill_time(req.prompt_tokens - hit, hit)
+            need = self.perf.blocks_for(req.prompt_tokens - hit)
+            cost = (
+                self.loads.load(e.id)
+                + prefill
+                + self._eviction_cost(e.id, need, since, total, path)
+            )
+            costs.append((cost, e))
+        best_cost, best = min(costs, key=lambda c: c[0])
+        if cfg.pd_balance and len(costs) > 1:
+            near = [e for c, e in costs if c <= best_cost * (1 + cfg.pd_margin)]
+            pick = max(near, key=lambda e: self.loads.decode_share(e.id))
+            if pick is not best and self.loads.decode_share(pick.id) > self.loads.decode_share(
+                best.id
+            ):
+                return pick, "preble:pd_balance"
+        return best, "preble:explore"
+
+    def _eviction_cost(
+        self, engine: EngineId, need: int, since: float, total: int, keep: Sequence[Node] = ()
+    ) -> float:
+        capacity = self.capacity.get(engine)
+        if capacity is None:
+            return 0.0
+        short = self.tree.cached_blocks(engine) + need - capacity
+        if short <= 0:
+            return 0.0
+        cost = 0.0
+        own = {id(n) for n in keep}  # the request's own prefix would be reused, not evicted
+        for seen, node in enumerate(self.tree.lru_nodes(engine)):
+            if short <= 0 or seen >= self.config.eviction_cost_max_nodes:
+                break
+            if id(node) in own:
+                continue
+            held = self.tree.held(node, engine)
+            cost += self.perf.prefill_time(held * self.block_size, node.depth * self.block_size) * (
+                node.count(since) / total
+            )
+            short -= held
+        return cost
+
+    # -- hooks -------------------------------------------------------------------
+    def on_routed(self, req: RequestInfo, decision: Decision, now: float) -> None:
+        engine = decision.engine
+        path = self.tree.insert(req.block_hashes, now)
+        self.tree.record(path, engine, now)
+        self.tree.add_engine(path, engine, now)
+        hit = decision.expected_hit_tokens
+        prefill = self.perf.prefill_time(req.prompt_tokens - hit, hit)
+        decode = self._predict_output(path) * self.tpot.get(engine, self.config.initial_tpot_s)
+        self.loads.add(now, engine, prefill, decode)
+        self._requests[req.id] = _Routed(path, engine, req.arrival)
+        self.routed += 1
+        capacity = self.capacity.get(engine)
+        if engine not in self.exact and capacity:
+            excess = self.tree.cached_blocks(engine) - capacity
+            if excess > 0:
+                self.tree.evict_lru(engine, excess)
+
+    def on_first_token(self, req: RequestInfo, engine: EngineId, now: float) -> None:
+        state = self._requests.get(req.id)
+        if state is None:
+            return
+        state.first_token = now
+        # The tree may have split nodes of the routed path since: walk it again.
+        state.path = self._current_path(req, state.path)
+        ttft = now - state.arrival
+        for node in state.path:
+            node.ttfts.append((now, ttft))
+        if self.config.replicate:
+            self._maybe_replicate(state, now)
+
+    def on_finished(self, req: RequestInfo, engine: EngineId, now: float, ok: bool) -> None:
+        state = self._requests.pop(req.id, None)
+        if state is None or not ok:
+            return
+        out = req.output_tokens
+        if out:
+            for node in self._current_path(req, state.path):
+                node.outputs.append(out)
+            self._output_mean += 0.05 * (out - self._output_mean)
+            if out > 1 and state.first_token is not None:
+                tpot = (now - state.first_token) / (out - 1)
+                old = self.tpot.get(engine, self.config.initial_tpot_s)
+                self.tpot[engine] = old + 0.2 * (tpot - old)
+
+    def on_cache_event(
+        self, engine: EngineId, stored: Sequence[int], removed: Sequence[int]
+    ) -> None:
+        self.exact.add(engine)
+        if removed:
+            self.tree.remove_blocks(engine, removed)
+
+    def on_engine_removed(self, engine: EngineId) -> None:
+        self.tree.remove_engine(engine)
+        self.loads.forget(engine)
+        self.tpot.pop(engine, None)
+        self.capacity.pop(engine, None)
+        self.exact.discard(engine)
+
+    # -- helpers -------------------------------------------------------------------
+    def _current_path(self, req: RequestInfo, old: list[Node]) -> list[Node]:
+        match = self.tree.match(req.block_hashes)
+        return match.path if match.blocks == len(req.block_hashes) else old
+
+    def _predict_output(self, path: Sequence[Node]) -> float:
+        for node in reversed(path):
+            if node.outputs:
+                return sum(node.outputs) / len(node.outputs)
+        return self._output_mean
+
+    def _maybe_replicate(self, state: _Routed, now: float) -> None:
+        cfg = self.config
+        half = now - cfg.window_s / 2
+        start = now - cfg.window_s
+        for depth, node in enumerate(reversed(state.path)):
+            if len(node.engines) >= len(self._engines) or node.count(start) < 2:
+                continue
+            last = self._replicated_at.get(id(node))
+            if last is not None and now - last < cfg.window_s / 2:
+                continue
+            early = [t for when, t in node.ttfts if start <= when < half]
+            late = [t for when, t in node.ttfts if when >= half]
+            if min(len(early), len(late)) < cfg.replicate_min_samples:
+                continue
+            if sum(late) / len(late) < cfg.replicate_ratio * (sum(early) / len(early)):
+                continue
+            others = [e for e in self._engines if e not in node.engines]
+            if not others:
+                continue
+            target = min(others, key=self.loads.load)
+            prefix = state.path[: len(state.path) - depth]
+            self.tree.add_engine(prefix, target, now)
+            if len(self._replicated_at) > 10_000:  # bounded: forget old replications
+                self._replicated_at = {
+                    k: v for k, v in self._replicated_at.items() if now - v < cfg.window_s
+                }
+            self._replicated_at[id(node)] = now
+            self.replications += 1
+            return
