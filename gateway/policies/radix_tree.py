@@ -4,9 +4,10 @@ Each node holds a run of block hashes (its edge label), the engines caching
 it (with how many of its leading blocks each one still holds), the times of
 the requests that used it within the window ``H`` (per engine), its last
 access, its depth (blocks from the root), and recent output lengths and
-TTFTs of requests through it. Invariant: an engine listed on a node holds all of its ancestors whole, and is listed on a child only if it
-holds the whole node; so an engine's cached prefix of a prompt is the path
-down to the deepest path node that lists it. Evictions shorten an engine's
+TTFTs of requests through it. Invariant: an engine listed on a node holds
+all of its ancestors whole, and is listed on a child only if it holds the
+whole node; so an engine's cached prefix of a prompt is the path down to the
+deepest path node that lists it. Evictions shorten an engine's
 held length on a node instead of splitting it, so the tree does not fragment
 as engines evict blocks one at a time.
 
