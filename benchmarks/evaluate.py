@@ -4,6 +4,9 @@
     python benchmarks/evaluate.py ablation   # Preble's mechanisms added one at a time
     python benchmarks/evaluate.py capacity   # effective request capacity per policy and workload
     python benchmarks/evaluate.py mooncake   # the Mooncake synthetic trace (needs ../shared/data)
+    python benchmarks/evaluate.py dualmap    # TTFT-SLO capacity and latency, 6 policies
+    python benchmarks/evaluate.py dualmap-ablation
+    python benchmarks/evaluate.py scaling    # 8 -> 9 engines mid-run under dualmap
 
 Each prints Markdown tables. Loads are set per engine so that 1.0x sits near round robin's
 saturation point on the default preset (mistral-7b-a6000); the sweep goes past it.
@@ -27,6 +30,7 @@ from gateway.sim.runner import capacity_search, run_policy
 from gateway.sim.workloads import Workload, WorkloadOptions, load_workload
 
 POLICIES = ["round_robin", "least_loaded", "cache_aware", "weighted_scorer", "preble"]
+ALL_POLICIES = [*POLICIES, "dualmap"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -175,6 +179,137 @@ def cmd_mooncake(args: argparse.Namespace) -> None:
         sys.stdout.flush()
 
 
+def mooncake_workload(limit: int | None = None, rate_scale: float = 1.0) -> Workload:
+    data = os.environ.get("KVGATE_DATA", str(ROOT.parent / "shared" / "data"))
+    path = Path(data) / "mooncake_synthetic_trace.jsonl"
+    return load_workload(f"mooncake:{path}", WorkloadOptions(limit=limit, rate_scale=rate_scale))
+
+
+def dualmap_workloads(instances: int) -> list[tuple[str, Workload]]:
+    """The Mooncake synthetic trace and the Zipf hot-spot generator."""
+    zipf = Bench("zipf_hotspot", "gen:zipf_hotspot", 3.0)
+    return [
+        ("mooncake", mooncake_workload()),
+        ("zipf_hotspot", workload(zipf, instances, 1.0)),
+    ]
+
+
+def cmd_dualmap(args: argparse.Namespace) -> None:
+    perf = load_preset(args.preset)
+    for instances in args.instances:
+        for label, wl in dualmap_workloads(instances):
+            cluster = ClusterSpec(instances, perf)
+            rows = []
+            for name in ALL_POLICIES:
+                s = summarize(run_policy(name, wl, cluster))
+                cap, _ = capacity_search(name, wl, cluster, steps=4, ttft_only=True)
+                rows.append((name, s, cap))
+            base = rows[0][2] or 1.0
+            print(f"\n### {label}, {instances} engines ({wl.rate:.1f} req/s offered)\n")
+            print(
+                "| policy | capacity req/s (TTFT<=5 s for 90 %) | TTFT p50 | TTFT p90 | "
+                "TTFT p99 | hit rate | load CV | held | migrated |"
+            )
+            print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+            for name, s, cap in rows:
+                print(
+                    f"| {name} | {cap:.2f} ({cap / base:.2f}x) | {fmt(s['ttft_p50'])} | "
+                    f"{fmt(s['ttft_p90'])} | {fmt(s['ttft_p99'])} | "
+                    f"{fmt(s['cache_hit_rate'], 'pct')} | {fmt(s['load_cv_mean'], 'x')} | "
+                    f"{s['held']} | {s['migrations']} |"
+                )
+            sys.stdout.flush()
+
+
+DUALMAP_ABLATION = [
+    ("dualmap (adaptive key, SLO-aware, queues, rebalancing)", {}),
+    ("fixed key: first block", {"adaptive": "false", "fixed_depth": "1"}),
+    ("fixed key: first 8 blocks", {"adaptive": "false", "fixed_depth": "8"}),
+    ("no rebalancing", {"rebalance": "false"}),
+    ("affinity only (no SLO-aware choice)", {"slo_aware": "false"}),
+    ("no router queues", {"queueing": "false"}),
+]
+
+
+def cmd_dualmap_ablation(args: argparse.Namespace) -> None:
+    perf = load_preset(args.preset)
+    instances = args.instances[-1]
+    for label, wl in dualmap_workloads(instances):
+        cluster = ClusterSpec(instances, perf)
+        print(f"\n### DualMap ablation: {label}, {instances} engines ({wl.rate:.1f} req/s)\n")
+        print("| variant | capacity req/s (TTFT) | TTFT p50 | TTFT p99 | hit rate | load CV |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for variant, options in DUALMAP_ABLATION:
+            s = summarize(run_policy("dualmap", wl, cluster, options=options))
+            cap, _ = capacity_search(
+                "dualmap", wl, cluster, options=options, steps=4, ttft_only=True
+            )
+            print(
+                f"| {variant} | {cap:.2f} | {fmt(s['ttft_p50'])} | {fmt(s['ttft_p99'])} | "
+                f"{fmt(s['cache_hit_rate'], 'pct')} | {fmt(s['load_cv_mean'], 'x')} |"
+            )
+            sys.stdout.flush()
+
+
+def cmd_scaling(args: argparse.Namespace) -> None:
+    from gateway.policies.base import PolicyContext
+    from gateway.policies.dualmap import DualMapPolicy
+    from gateway.sim.metrics import percentile
+
+    perf = load_preset(args.preset)
+    wl = workload(Bench("zipf_hotspot", "gen:zipf_hotspot", 3.0), 8, 1.0)
+    t0 = wl.requests[0].arrival
+    at = t0 + wl.span / 2
+    runs = {
+        "8 engines throughout": ClusterSpec(8, perf),
+        "8 -> 9 engines at mid-run": ClusterSpec(8, perf, scale_events=((at, 9),)),
+    }
+    policy = DualMapPolicy(PolicyContext(perf=perf))
+    keys = [policy.key(r) for r in (_info(q) for q in wl.requests)]
+    before = [policy.rings[i] for i in range(2)]
+    for ring in before:
+        ring.set_engines([f"sim-{i}" for i in range(8)])
+    distinct = sorted({k for k, _ in keys})
+    pairs_before = {k: (before[0].lookup(k), before[1].lookup(k)) for k in distinct}
+    for ring in before:
+        ring.add("sim-8")
+    pairs_after = {k: (before[0].lookup(k), before[1].lookup(k)) for k in distinct}
+    moved = [
+        sum(1 for k in distinct if pairs_before[k][i] != pairs_after[k][i]) / len(distinct)
+        for i in range(2)
+    ]
+    traffic = sum(1 for k, _ in keys if pairs_before[k] != pairs_after[k]) / len(keys)
+    print(f"\n### Scaling 8 -> 9 engines (zipf_hotspot, {wl.rate:.1f} req/s, dualmap)\n")
+    print(
+        f"Adding the 9th engine remaps {moved[0]:.1%} of the {len(distinct)} distinct keys on "
+        f"ring 1 and {moved[1]:.1%} on ring 2 (ideal 1/9 = 11.1 %); {traffic:.1%} of requests "
+        "had at least one candidate changed.\n"
+    )
+    print("| run | TTFT p99 before | TTFT p99 after (30 s) | TTFT p99 after (rest) | hit rate |")
+    print("|---|---:|---:|---:|---:|")
+    for label, cluster in runs.items():
+        run = run_policy("dualmap", wl, cluster)
+
+        def p99(lo: float, hi: float, recs=run.records) -> float | None:
+            return percentile(
+                [r.ttft for r in recs if r.ttft is not None and lo <= r.source.arrival < hi], 99
+            )
+
+        s = summarize(run)
+        print(
+            f"| {label} | {fmt(p99(t0, at))} | {fmt(p99(at, at + 30))} | "
+            f"{fmt(p99(at + 30, float('inf')))} | {fmt(s['cache_hit_rate'], 'pct')} |"
+        )
+
+
+def _info(q: Any) -> Any:
+    from gateway.core.types import RequestInfo
+
+    return RequestInfo(
+        id=q.id, block_hashes=q.block_hashes, prompt_tokens=q.prompt_tokens, arrival=q.arrival
+    )
+
+
 def _benches(args: argparse.Namespace) -> list[Bench]:
     names = args.workloads.split(",") if args.workloads else [b.name for b in BENCHES]
     known = {b.name: b for b in BENCHES}
@@ -183,7 +318,18 @@ def _benches(args: argparse.Namespace) -> list[Bench]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("table", choices=["sweep", "ablation", "capacity", "mooncake"])
+    ap.add_argument(
+        "table",
+        choices=[
+            "sweep",
+            "ablation",
+            "capacity",
+            "mooncake",
+            "dualmap",
+            "dualmap-ablation",
+            "scaling",
+        ],
+    )
     ap.add_argument("--workloads", default="", help="comma-separated subset of the workloads")
     ap.add_argument("--instances", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8])
     ap.add_argument(
@@ -196,6 +342,9 @@ def main() -> int:
         "ablation": cmd_ablation,
         "capacity": cmd_capacity,
         "mooncake": cmd_mooncake,
+        "dualmap": cmd_dualmap,
+        "dualmap-ablation": cmd_dualmap_ablation,
+        "scaling": cmd_scaling,
     }
     t0 = time.perf_counter()
     commands[args.table](args)

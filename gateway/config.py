@@ -109,6 +109,10 @@ class Settings(BaseSettings):
     api_keys: list[SecretStr] = Field(default_factory=list, description="client keys (Bearer)")
     admin_key: SecretStr | None = None
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    queue_timeout_s: float = Field(
+        default=300.0, gt=0, description="longest a request may wait in a router queue"
+    )
+    max_queued: int = Field(default=10_000, ge=1, description="router queue bound (then 429)")
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
     retries: RetryConfig = Field(default_factory=RetryConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)

@@ -115,6 +115,18 @@ class GatewayMetrics:
             ["policy"],
             registry=r,
         )
+        self.held = Counter(
+            "kvgate_router_held",
+            "Requests held in a router queue before dispatch",
+            ["policy"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "kvgate_router_queue_wait_seconds",
+            "Time held requests waited in the router queue",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.engine_errors = Counter(
             "kvgate_engine_errors",
             "Upstream failures by engine and kind",

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from gateway.core.types import ClusterView, EngineRole, EngineView
+from gateway.policies.router_queues import RouterQueues
 
 
 class Health(StrEnum):
@@ -190,6 +191,7 @@ class EngineRegistry:
         *,
         model: str | None = None,
         exclude: Iterable[str] = (),
+        queues: RouterQueues | None = None,
     ) -> ClusterView:
         """Engines serving ``model``; unhealthy or excluded ones are marked unhealthy."""
         excluded = set(exclude)
@@ -209,6 +211,8 @@ class EngineRegistry:
                     kv_usage=m.kv_usage if m else 0.0,
                     kv_capacity_blocks=(m.num_gpu_blocks or 0) if m else 0,
                     in_flight=in_flight.get(e.id, 0),
+                    router_queued=queues.count(e.id) if queues is not None else 0,
+                    router_queued_tokens=queues.tokens(e.id) if queues is not None else 0,
                 )
             )
         return ClusterView(tuple(views))

@@ -86,6 +86,7 @@ class EngineView:
     kv_capacity_blocks: int = 0
     in_flight: int = 0
     router_queued: int = 0
+    router_queued_tokens: int = 0
 
     @property
     def serves_prefill(self) -> bool:
@@ -151,6 +152,7 @@ class Decision:
     hold: bool = False
     expected_hit_tokens: int = 0
     reason: str = ""
+    candidates: tuple[EngineId, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +162,7 @@ class Migration:
     request_id: str
     source: EngineId
     target: EngineId
+    hit_tokens: int = 0
 
 
 def engine_ids(engines: Sequence[EngineView]) -> tuple[EngineId, ...]:

@@ -15,8 +15,9 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from gateway.core.errors import ConfigError
-from gateway.core.types import ClusterView, Decision, EngineId, RequestInfo
+from gateway.core.types import ClusterView, Decision, EngineId, EngineView, Migration, RequestInfo
 from gateway.perfmodel.model import PerfModel
+from gateway.policies.router_queues import QueuedRequest, RouterQueues
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,7 @@ class Policy(Protocol):
 
     name: str
     wants_cache_events: bool
+    may_hold: bool
 
     def decide(self, req: RequestInfo, view: ClusterView, now: float) -> Decision: ...
     def on_routed(self, req: RequestInfo, decision: Decision, now: float) -> None: ...
@@ -47,6 +49,11 @@ class Policy(Protocol):
         self, engine: EngineId, stored: Sequence[int], removed: Sequence[int]
     ) -> None: ...
     def on_engine_removed(self, engine: EngineId) -> None: ...
+    def on_membership(self, engines: Sequence[EngineId]) -> None: ...
+    def can_dispatch(
+        self, engine: EngineView, pending_tokens: int, item: QueuedRequest
+    ) -> bool: ...
+    def rebalance(self, queues: RouterQueues, view: ClusterView, now: float) -> list[Migration]: ...
 
 
 class PolicyBase:
@@ -54,6 +61,8 @@ class PolicyBase:
 
     name: ClassVar[str] = "base"
     wants_cache_events: ClassVar[bool] = False
+    may_hold: bool = False
+    """True when ``decide`` may return ``hold`` (drivers then watch for clients leaving)."""
 
     def decide(self, req: RequestInfo, view: ClusterView, now: float) -> Decision:
         raise NotImplementedError
@@ -74,6 +83,18 @@ class PolicyBase:
 
     def on_engine_removed(self, engine: EngineId) -> None:
         return None
+
+    def on_membership(self, engines: Sequence[EngineId]) -> None:
+        """The set of engines (healthy or not) changed; called before ``decide``."""
+        return None
+
+    def can_dispatch(self, engine: EngineView, pending_tokens: int, item: QueuedRequest) -> bool:
+        """May a request held for ``engine`` go now? (Only policies that hold requests.)"""
+        return True
+
+    def rebalance(self, queues: RouterQueues, view: ClusterView, now: float) -> list[Migration]:
+        """Moves of held requests between engine queues (hotspot rebalancing)."""
+        return []
 
 
 C = TypeVar("C")

@@ -3,6 +3,12 @@
 It checks there is a healthy engine, asks the policy, validates the answer,
 keeps the router's in-flight count per engine, times each decision with an
 injected timer, and forwards lifecycle events to the policy's hooks.
+
+Requests a policy asks to *hold* wait in :class:`RouterQueues` until the
+driver calls :meth:`Dispatcher.release` for their engine (after that engine's
+state changed) and the policy lets them go; :meth:`Dispatcher.rebalance` lets
+the policy move held requests between queues. The driver owns the waiting
+(an event in the simulator, a future in the gateway) through ``handle``.
 """
 
 from __future__ import annotations
@@ -13,6 +19,9 @@ from dataclasses import dataclass, field
 from gateway.core.errors import NoEngineError
 from gateway.core.types import ClusterView, Decision, EngineId, RequestInfo
 from gateway.policies.base import Policy
+from gateway.policies.router_queues import QueuedRequest, QueueFullError, RouterQueues
+
+__all__ = ["DecisionTimes", "Dispatcher", "PolicyError", "QueueFullError"]
 
 
 class PolicyError(RuntimeError):
@@ -40,17 +49,31 @@ class Dispatcher:
         *,
         timer: Callable[[], float] | None = None,
         timing_limit: int = 1_000_000,
+        queues: RouterQueues | None = None,
     ) -> None:
         self.policy = policy
         self._timer = timer
         self.times = DecisionTimes(limit=timing_limit)
         self.in_flight: dict[EngineId, int] = {}
+        self.queues = queues if queues is not None else RouterQueues()
         self.routed = 0
+        self.migrated = 0
+        self._members: tuple[EngineId, ...] = ()
 
-    def route(self, req: RequestInfo, view: ClusterView, now: float) -> Decision:
-        """Pick an engine for ``req`` and record it as in flight there."""
+    def route(
+        self, req: RequestInfo, view: ClusterView, now: float, *, handle: object = None
+    ) -> Decision:
+        """Pick an engine for ``req``: in flight there, or held in its queue (``hold``).
+
+        Raises :class:`NoEngineError` without a healthy engine and
+        :class:`QueueFullError` when a held request finds the queues full.
+        """
         if not any(e.healthy for e in view.engines):
             raise NoEngineError("no healthy engine is available")
+        members = view.ids
+        if members != self._members:
+            self._members = members
+            self.policy.on_membership(members)
         timer = self._timer
         if timer is None:
             decision = self.policy.decide(req, view, now)
@@ -59,10 +82,61 @@ class Dispatcher:
             decision = self.policy.decide(req, view, now)
             self.times.add(timer() - start)
         self._validate(decision, view)
-        self.policy.on_routed(req, decision, now)
-        self.in_flight[decision.engine] = self.in_flight.get(decision.engine, 0) + 1
+        if decision.hold:
+            self.queues.push(
+                req,
+                decision.engine,
+                decision.expected_hit_tokens,
+                now,
+                candidates=decision.candidates,
+                handle=handle,
+            )
+            self.policy.on_routed(req, decision, now)
+        else:
+            self.policy.on_routed(req, decision, now)
+            self.in_flight[decision.engine] = self.in_flight.get(decision.engine, 0) + 1
         self.routed += 1
         return decision
+
+    def release(self, engine: EngineId, view: ClusterView, now: float) -> list[QueuedRequest]:
+        """Held requests of ``engine`` the policy lets go now; they are in flight from here."""
+        target = view.get(engine)
+        if target is None or not target.healthy:
+            return []
+        pending = target.pending_prefill_tokens
+        out: list[QueuedRequest] = []
+        while True:
+            item = self.queues.peek(engine)
+            if item is None or not self.policy.can_dispatch(target, pending, item):
+                break
+            self.queues.pop(engine)
+            pending += item.uncached_tokens
+            self.in_flight[engine] = self.in_flight.get(engine, 0) + 1
+            out.append(item)
+        return out
+
+    def rebalance(self, view: ClusterView, now: float) -> list[EngineId]:
+        """Apply the policy's moves of held requests; returns the engines that gained some."""
+        if not len(self.queues):
+            return []
+        targets: list[EngineId] = []
+        for m in self.policy.rebalance(self.queues, view, now):
+            target = view.get(m.target)
+            item = self.queues.get(m.request_id)
+            if target is None or not target.healthy or item is None or item.engine != m.source:
+                continue
+            self.queues.move(m.request_id, m.target, m.hit_tokens)
+            self.migrated += 1
+            if m.target not in targets:
+                targets.append(m.target)
+        return targets
+
+    def cancel(self, request_id: str, now: float) -> QueuedRequest | None:
+        """Drop a held request (client gone, or it waited too long)."""
+        item = self.queues.remove(request_id)
+        if item is not None:
+            self.policy.on_finished(item.req, item.engine, now, False)
+        return item
 
     def first_token(self, req: RequestInfo, engine: EngineId, now: float) -> None:
         self.policy.on_first_token(req, engine, now)

@@ -9,6 +9,7 @@ from typing import Any
 from gateway.core.errors import ConfigError
 from gateway.policies.base import Policy, PolicyContext, build_config
 from gateway.policies.cache_aware import CacheAwareConfig, CacheAwarePolicy
+from gateway.policies.dualmap import DualMapConfig, DualMapPolicy
 from gateway.policies.least_loaded import LeastLoadedConfig, LeastLoadedPolicy
 from gateway.policies.power_of_two import PowerOfTwoConfig, PowerOfTwoPolicy
 from gateway.policies.preble import PrebleConfig, PreblePolicy
@@ -35,6 +36,7 @@ POLICIES: Mapping[str, PolicyFactory] = MappingProxyType(
         "cache_aware": _factory(CacheAwarePolicy, CacheAwareConfig),
         "weighted_scorer": _factory(WeightedScorerPolicy, WeightedScorerConfig),
         "preble": _factory(PreblePolicy, PrebleConfig),
+        "dualmap": _factory(DualMapPolicy, DualMapConfig),
     }
 )
 """Every policy kvgate ships, by registry key."""

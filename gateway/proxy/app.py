@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,6 +20,7 @@ from gateway.perfmodel.presets import load_preset
 from gateway.policies.base import PolicyContext
 from gateway.policies.dispatcher import Dispatcher
 from gateway.policies.registry import create_policy
+from gateway.policies.router_queues import RouterQueues
 from gateway.proxy import routes_admin, routes_openai
 from gateway.proxy.deps import GatewayState
 from gateway.proxy.errors import install_handlers
@@ -92,7 +95,10 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             ),
             settings.policy.options,
         )
-        dispatcher = Dispatcher(policy)
+        dispatcher = Dispatcher(
+            policy,
+            queues=RouterQueues(max_total=settings.max_queued, max_per_engine=settings.max_queued),
+        )
         metrics = GatewayMetrics()
         metrics.watch_engines(registry, lambda: dict(dispatcher.in_flight))
         monitor = EngineMonitor(
@@ -122,6 +128,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             keyer=RoutingKeyer(settings.block_size or 16, settings.chars_per_token, settings.seed),
         )
         await monitor.check_all()
+        pump = asyncio.create_task(forwarder.run_pump(0.05), name="kvgate-queue-pump")
         if settings.block_size is None:
             adopt_block_size(app.state.gateway)
             monitor.on_change = lambda _engine, healthy: (
@@ -132,6 +139,9 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         try:
             yield
         finally:
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
             await monitor.stop()
             await client.aclose()
             if transport is None:

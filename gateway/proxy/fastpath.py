@@ -10,9 +10,13 @@ client-disconnect handling are Starlette's.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -68,6 +72,27 @@ async def read_asgi_body(receive: Receive, declared: str | None, limit: int) -> 
             return b"".join(parts)
 
 
+async def _unless_client_leaves(work: Coroutine[Any, Any, Response], receive: Receive) -> Response:
+    """Run ``work`` but cancel it if the client disconnects first (a held request must not
+    keep its place in the router queue for nobody)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(receive())
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            message = watch.result()
+            if message["type"] == "http.disconnect":
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                raise ClientGoneError
+            return await task
+        return task.result()
+    finally:
+        if not watch.done():
+            watch.cancel()
+
+
 class OpenAIFastPath:
     """ASGI middleware: serves the proxied routes directly, passes the rest on."""
 
@@ -87,7 +112,11 @@ class OpenAIFastPath:
             raw = await read_asgi_body(
                 receive, headers.get("content-length"), state.settings.max_body_bytes
             )
-            response = await handle_openai(state, scope["path"], headers, raw, started)
+            work = handle_openai(state, scope["path"], headers, raw, started)
+            if state.dispatcher.policy.may_hold:
+                response = await _unless_client_leaves(work, receive)
+            else:
+                response = await work
         except ClientGoneError:
             return
         except ApiError as exc:

@@ -18,7 +18,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import anyio
@@ -30,6 +30,7 @@ from gateway.config import Settings
 from gateway.core.types import ClusterView, Decision, RequestInfo
 from gateway.observability import GatewayMetrics
 from gateway.policies.dispatcher import Dispatcher
+from gateway.policies.router_queues import QueuedRequest, QueueFullError
 from gateway.proxy.errors import ApiError, error_body
 from gateway.proxy.upstream import Upstream, UpstreamConnectError, UpstreamError, UpstreamResponse
 
@@ -57,6 +58,7 @@ class Exchange:
     started: float = 0.0
     attempts: int = 0
     engine: str | None = None
+    held: asyncio.Future[QueuedRequest] | None = None
 
 
 class _RetryableError(Exception):
@@ -93,18 +95,22 @@ class Forwarder:
         tried: list[str] = []
         last: _RetryableError | None = None
         for attempt in range(retries.max_attempts):
-            view = self.registry.view(self.dispatcher.in_flight, model=ex.model, exclude=tried)
+            view = self._view(ex.model, tried)
             if tried and not any(e.healthy for e in view.engines):
                 # every other engine was tried: one still in routing may be retried (a stale
                 # keep-alive connection, say, fails once and then works)
-                view = self.registry.view(self.dispatcher.in_flight, model=ex.model)
+                view = self._view(ex.model)
             if not any(e.healthy for e in view.engines):
                 break
             decision = self._route(ex, view)
-            engine = self.registry.get(decision.engine)
+            engine_id, hit = decision.engine, decision.expected_hit_tokens
+            if decision.hold:
+                engine_id, hit = await self._held(ex)
+            self.registry.add_pending(engine_id, ex.request_id, max(0, ex.info.prompt_tokens - hit))
+            engine = self.registry.get(engine_id)
             if engine is None:  # pragma: no cover - removed between view and route
-                self.dispatcher.finished(ex.info, decision.engine, self.clock(), ok=False)
-                tried.append(decision.engine)
+                self.dispatcher.finished(ex.info, engine_id, self.clock(), ok=False)
+                tried.append(engine_id)
                 continue
             ex.attempts = attempt + 1
             ex.engine = engine.id
@@ -132,18 +138,89 @@ class Forwarder:
         raise ApiError(503, detail, headers={"Retry-After": "1"})
 
     # -- one attempt -------------------------------------------------------------
+    def _view(self, model: str | None, exclude: Sequence[str] = ()) -> ClusterView:
+        return self.registry.view(
+            self.dispatcher.in_flight, model=model, exclude=exclude, queues=self.dispatcher.queues
+        )
+
     def _route(self, ex: Exchange, view: ClusterView) -> Decision:
         t0 = time.perf_counter()
-        decision = self.dispatcher.route(ex.info, view, self.clock())
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[QueuedRequest] = loop.create_future()
+        try:
+            decision = self.dispatcher.route(ex.info, view, self.clock(), handle=future)
+        except QueueFullError as exc:
+            self.metrics.requests.labels(ex.route, self.policy, "queue_full").inc()
+            raise ApiError(
+                429,
+                f"{exc}; retry later",
+                headers={"Retry-After": "1"},
+                error_type="rate_limit_error",
+            ) from None
         self.metrics.decision_seconds.labels(self.policy).observe(time.perf_counter() - t0)
         self.metrics.decisions.labels(self.policy, decision.reason or "none").inc()
         self.metrics.prompt_tokens.labels(self.policy).inc(ex.info.prompt_tokens)
         self.metrics.expected_hit_tokens.labels(self.policy).inc(
             min(decision.expected_hit_tokens, ex.info.prompt_tokens)
         )
-        uncached = max(0, ex.info.prompt_tokens - decision.expected_hit_tokens)
-        self.registry.add_pending(decision.engine, ex.request_id, uncached)
+        if decision.hold:
+            ex.held = future
         return decision
+
+    async def _held(self, ex: Exchange) -> tuple[str, int]:
+        """Wait in the router queue until released; (engine, expected hit) then."""
+        future = ex.held
+        assert future is not None
+        self.metrics.held.labels(self.policy).inc()
+        try:
+            item = await asyncio.wait_for(future, self.settings.queue_timeout_s)
+        except TimeoutError:
+            self.dispatcher.cancel(ex.request_id, self.clock())
+            self.metrics.requests.labels(ex.route, self.policy, "queue_timeout").inc()
+            raise ApiError(
+                503,
+                f"waited {self.settings.queue_timeout_s:g} s in the router queue",
+                headers={"Retry-After": "1"},
+            ) from None
+        except asyncio.CancelledError:  # the client left while held
+            self.dispatcher.cancel(ex.request_id, self.clock())
+            self.metrics.requests.labels(ex.route, self.policy, "cancelled").inc()
+            raise
+        finally:
+            ex.held = None
+        self.metrics.queue_wait.observe(self.clock() - ex.started)
+        return item.engine, item.hit_tokens
+
+    def pump(self, engine: str | None = None) -> None:
+        """Release held requests (of ``engine``, or of every queue) the policy lets go."""
+        queues = self.dispatcher.queues
+        if not len(queues):
+            return
+        now = self.clock()
+        view = self._view(None)
+        if engine is None:
+            for target in self.dispatcher.rebalance(view, now):
+                self._wake(target, view, now)
+            for name in queues.engines():
+                self._wake(name, view, now)
+        else:
+            self._wake(engine, view, now)
+
+    def _wake(self, engine: str, view: ClusterView, now: float) -> None:
+        for item in self.dispatcher.release(engine, view, now):
+            future = item.handle
+            if isinstance(future, asyncio.Future) and not future.done():
+                future.set_result(item)
+
+    async def run_pump(self, interval_s: float) -> None:
+        """Rebalance and release held requests on a timer (engine state also changes when
+        no request of ours completes: scrapes, other clients)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                self.pump()
+            except Exception:  # pragma: no cover - never let the pump die
+                log.exception("router queue pump failed")
 
     def _headers(self, ex: Exchange, engine: EngineState) -> list[tuple[bytes, bytes]]:
         headers = [_JSON, (b"x-request-id", ex.request_id.encode())]
@@ -224,6 +301,7 @@ class Forwarder:
         self.registry.clear_pending(engine.id, ex.request_id)
         self.dispatcher.first_token(ex.info, engine.id, now)
         self.metrics.ttft.labels(ex.route).observe(now - ex.started)
+        self.pump(engine.id)
         relay = _Relay(self, ex, engine, resp=resp, first=first, chunks=chunks)
         return StreamingResponse(
             relay.run(),
@@ -236,6 +314,7 @@ class Forwarder:
     def _failed_attempt(self, ex: Exchange, engine: EngineState, exc: _RetryableError) -> None:
         self.registry.clear_pending(engine.id, ex.request_id)
         self.dispatcher.finished(ex.info, engine.id, self.clock(), ok=False)
+        self.pump(engine.id)
         self.metrics.engine_errors.labels(engine.id, exc.reason).inc()
         if self.registry.mark_failure(engine.id, exc.detail, self.clock(), immediate=exc.immediate):
             log.warning(
@@ -258,6 +337,7 @@ class Forwarder:
         now = self.clock()
         info = ex.info if output is None else replace(ex.info, output_tokens=output)
         self.dispatcher.finished(info, engine.id, now, ok=ok)
+        self.pump(engine.id)
         if ok:
             self.registry.mark_success(engine.id, now)
             self.metrics.e2e.labels(ex.route).observe(now - ex.started)

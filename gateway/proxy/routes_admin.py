@@ -46,7 +46,7 @@ async def metrics(request: Request) -> Response:
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def describe(e: EngineState, in_flight: int) -> dict[str, Any]:
+def describe(e: EngineState, in_flight: int, queued: int = 0) -> dict[str, Any]:
     m = e.metrics
     return {
         "id": e.id,
@@ -56,6 +56,7 @@ def describe(e: EngineState, in_flight: int) -> dict[str, Any]:
         "health": e.health.value,
         "routable": e.routable,
         "in_flight": in_flight,
+        "router_queued": queued,
         "pending_prefill_tokens_est": e.pending_tokens,
         "consecutive_failures": e.consecutive_failures,
         "last_error": e.last_error,
@@ -81,7 +82,11 @@ async def list_engines(request: Request) -> JSONResponse:
     return JSONResponse(
         {
             "policy": state.dispatcher.policy.name,
-            "engines": [describe(e, flights.get(e.id, 0)) for e in state.registry.all()],
+            "engines": [
+                describe(e, flights.get(e.id, 0), state.dispatcher.queues.count(e.id))
+                for e in state.registry.all()
+            ],
+            "router_queued": len(state.dispatcher.queues),
         }
     )
 

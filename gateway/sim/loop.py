@@ -20,6 +20,7 @@ from gateway.perfmodel.engine import EngineCore, EngineRequest, StepOutcome
 from gateway.perfmodel.model import PerfModel
 from gateway.policies.base import Policy
 from gateway.policies.dispatcher import Dispatcher
+from gateway.policies.router_queues import QueueFullError
 from gateway.sim.workloads import Workload, WorkloadRequest
 
 
@@ -31,10 +32,16 @@ class ClusterSpec:
     perf: PerfModel
     priority_groups: bool = False
     max_decode_run: int = 256
+    scale_events: tuple[tuple[float, int], ...] = ()
+    """(time, instances): from that time on, only that many engines take new requests."""
 
     def __post_init__(self) -> None:
-        if self.instances <= 0:
+        if self.instances <= 0 or any(n <= 0 for _, n in self.scale_events):
             raise ValueError("instances must be positive")
+
+    @property
+    def max_instances(self) -> int:
+        return max([self.instances, *(n for _, n in self.scale_events)])
 
 
 @dataclass(slots=True)
@@ -50,6 +57,8 @@ class RequestRecord:
     first_token_time: float | None = None
     finish_time: float | None = None
     preemptions: int = 0
+    held: bool = False
+    queue_wait: float = 0.0
 
     @property
     def ttft(self) -> float | None:
@@ -79,6 +88,7 @@ class SimRun:
     load_cv: list[tuple[float, float]] = field(default_factory=list)
     decision_seconds: list[float] = field(default_factory=list)
     preemptions: int = 0
+    migrations: int = 0
     engine_steps: int = 0
     events: int = 0
     end_time: float = 0.0
@@ -107,8 +117,10 @@ class Simulation:
                 track_cache_events=policy.wants_cache_events,
                 max_decode_run=cluster.max_decode_run,
             )
-            for i in range(cluster.instances)
+            for i in range(cluster.max_instances)
         ]
+        self._active = cluster.instances
+        self._scale = sorted(cluster.scale_events)
         self._index = {e.id: i for i, e in enumerate(self.engines)}
         self._versions = [0] * len(self.engines)
         self._heap: list[tuple[float, int, int, int]] = []
@@ -132,30 +144,34 @@ class Simulation:
                 engine = self.engines[idx]
                 self._apply(engine, engine.finish_step(), t)
                 self._start(idx, t, next_arrival)
+                if len(self.dispatcher.queues):
+                    self._release(engine.id, t, next_arrival)
                 continue
             src = reqs[ai]
             ai += 1
             out.events += 1
+            while self._scale and self._scale[0][0] <= src.arrival:
+                self._active = self._scale.pop(0)[1]
             horizon = reqs[ai].arrival if ai < n else math.inf
             record = self._arrive(src, block_size, out)
             records.append(record)
-            if record.rejected is None:
-                idx = self._index[record.engine]
-                engine = self.engines[idx]
-                if engine.busy:
-                    self._interrupt(idx, src.arrival)
-                else:
-                    self._start(idx, src.arrival, horizon)
+            if record.rejected is None and not record.held:
+                self._submit(record, src.arrival, horizon)
+            if len(self.dispatcher.queues):
+                for target in self.dispatcher.rebalance(self._view(), src.arrival):
+                    self._release(target, src.arrival, horizon)
         out.decision_seconds = self.dispatcher.times.samples
         out.preemptions = sum(e.preemptions for e in self.engines)
         out.engine_steps = sum(e.steps for e in self.engines)
+        out.migrations = self.dispatcher.migrated
         out.end_time = max((r.finish_time or 0.0 for r in records), default=0.0)
         return out
 
     # -- events ----------------------------------------------------------------
     def _arrive(self, src: WorkloadRequest, block_size: int, out: SimRun) -> RequestRecord:
         now = src.arrival
-        out.load_cv.append((now, load_cv(e.pending_prefill_tokens for e in self.engines)))
+        active = self.engines[: self._active]
+        out.load_cv.append((now, load_cv(e.pending_prefill_tokens for e in active)))
         info = RequestInfo(
             id=src.id,
             block_hashes=src.block_hashes,
@@ -165,26 +181,50 @@ class Simulation:
             slo=src.slo,
         )
         record = RequestRecord(source=src, info=info)
-        decision = self.dispatcher.route(info, self._view(), now)
+        try:
+            decision = self.dispatcher.route(info, self._view(), now, handle=record)
+        except QueueFullError as exc:
+            record.rejected = str(exc)
+            return record
         record.engine = decision.engine
         record.expected_hit_tokens = decision.expected_hit_tokens
-        engine = self.engines[self._index[decision.engine]]
+        record.held = decision.hold
+        return record
+
+    def _submit(self, record: RequestRecord, now: float, horizon: float) -> None:
+        """Send a routed (or released) request to its engine and wake the engine."""
+        src = record.source
+        idx = self._index[record.engine]
+        engine = self.engines[idx]
         reason = engine.admissible(src.prompt_tokens, src.output_tokens)
         if reason is not None:
             record.rejected = reason
-            self.dispatcher.finished(info, decision.engine, now, ok=False)
-            return record
+            self.dispatcher.finished(record.info, record.engine, now, ok=False)
+            return
         engine.submit(
             EngineRequest(
                 id=src.id,
                 prompt_tokens=src.prompt_tokens,
                 block_hashes=src.block_hashes,
                 output_tokens=src.output_tokens,
-                arrival=now,
+                arrival=src.arrival,
                 payload=record,
             )
         )
-        return record
+        if engine.busy:
+            self._interrupt(idx, now)
+        else:
+            self._start(idx, now, horizon)
+
+    def _release(self, engine_id: str, now: float, horizon: float) -> None:
+        """Send held requests the policy lets go to ``engine_id``."""
+        for item in self.dispatcher.release(engine_id, self._view(), now):
+            record = item.handle
+            assert isinstance(record, RequestRecord)
+            record.engine = item.engine
+            record.expected_hit_tokens = item.hit_tokens
+            record.queue_wait = now - record.source.arrival
+            self._submit(record, now, horizon)
 
     def _apply(self, engine: EngineCore, step: StepOutcome, now: float) -> None:
         dispatcher = self.dispatcher
@@ -221,6 +261,7 @@ class Simulation:
 
     def _view(self) -> ClusterView:
         in_flight = self.dispatcher.in_flight
+        queues = self.dispatcher.queues
         return ClusterView(
             tuple(
                 EngineView(
@@ -231,8 +272,10 @@ class Simulation:
                     kv_usage=e.kv_usage,
                     kv_capacity_blocks=e.pool.capacity,
                     in_flight=in_flight.get(e.id, 0),
+                    router_queued=queues.count(e.id),
+                    router_queued_tokens=queues.tokens(e.id),
                 )
-                for e in self.engines
+                for e in self.engines[: self._active]
             )
         )
 

@@ -160,3 +160,43 @@ async def test_killing_an_engine_loses_no_unstarted_request(tmp_path: Path) -> N
             and not ln.endswith(" 0.0")
         ]
         assert not failed, json.dumps(failed)
+
+
+def test_held_request_leaves_the_router_queue_when_its_client_leaves(tmp_path: Path) -> None:
+    import threading
+
+    with cluster(
+        tmp_path,
+        n=1,
+        policy="dualmap",
+        time_scale=5.0,
+        gateway_args=["--policy-option", "dispatch_pending_tokens=10"],
+    ) as c:
+        url = c.gateway.url
+        # A long prompt keeps the engine's pending prefill above the dispatch threshold...
+        blocker = {"model": MODEL, "prompt": "blocker " * 2000, "max_tokens": 1}
+        done: list[int] = []
+        thread = threading.Thread(
+            target=lambda: done.append(
+                httpx.post(url + "/v1/completions", json=blocker, timeout=30).status_code
+            )
+        )
+        thread.start()
+        time.sleep(0.15)
+        # ...so this one is held in the router queue, and its client gives up while held.
+        held = {"model": MODEL, "prompt": "held " * 300, "max_tokens": 1}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(url + "/v1/completions", json=held, timeout=0.2)
+        deadline = time.monotonic() + 5
+        while httpx.get(url + "/admin/engines").json()["router_queued"] and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        thread.join(timeout=30)
+        text = httpx.get(url + "/metrics").text
+        admin = httpx.get(url + "/admin/engines").json()
+    assert done == [200]
+    assert admin["router_queued"] == 0
+    held_line = next(ln for ln in text.splitlines() if ln.startswith("kvgate_router_held_total"))
+    assert float(held_line.split()[-1]) == 1.0
+    assert 'outcome="cancelled"' in text

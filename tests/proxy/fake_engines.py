@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ class FakeEngine:
     mode: str = "ok"  # ok | refuse | status503 | status500 | status400 | midstream | hang_health
     waiting: int = 0
     block_size: int = 16
+    delay: float = 0.0
     seen: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     raw: list[bytes] = field(default_factory=list)
@@ -53,6 +55,8 @@ class FakeEngine:
                 ),
             )
         body = json.loads(request.content)
+        if self.delay:
+            await asyncio.sleep(self.delay)
         self.seen.append(body)
         self.raw.append(request.content)
         self.headers.append(dict(request.headers))

@@ -283,3 +283,35 @@ async def test_block_size_follows_the_engines_unless_configured(
     async with app.router.lifespan_context(app):
         assert app.state.gateway.keyer.block_size == expected
         assert app.state.gateway.keyer.chunk_chars == expected * 4
+
+
+async def test_dualmap_holds_requests_in_router_queues_and_releases_them() -> None:
+    import asyncio
+
+    a, b = FakeEngine(A, delay=0.2), FakeEngine(B, delay=0.2)
+    policy = {"name": "dualmap", "options": {"dispatch_pending_tokens": 10}}
+    async with gateway(a, b, policy=policy) as gw:
+        body = {"model": "m", "prompt": "the same long shared prefix " * 20}
+        results = await asyncio.gather(*(gw.post("/v1/completions", json=body) for _ in range(4)))
+        metrics = (await gw.get("/metrics")).text
+        admin = (await gw.get("/admin/engines")).json()
+    assert [r.status_code for r in results] == [200] * 4
+    held = [ln for ln in metrics.splitlines() if ln.startswith("kvgate_router_held_total")]
+    assert held and float(held[0].split()[-1]) >= 2  # more than one waited behind the first
+    assert admin["router_queued"] == 0
+    assert "kvgate_router_queue_wait_seconds_count" in metrics
+
+
+async def test_full_router_queue_answers_429_with_retry_after() -> None:
+    import asyncio
+
+    a = FakeEngine(A, delay=0.3)
+    policy = {"name": "dualmap", "options": {"dispatch_pending_tokens": 10}}
+    async with gateway(a, policy=policy, max_queued=1) as gw:
+        body = {"model": "m", "prompt": "x" * 400}
+        results = await asyncio.gather(*(gw.post("/v1/completions", json=body) for _ in range(3)))
+    codes = sorted(r.status_code for r in results)
+    assert codes == [200, 200, 429]
+    refused = next(r for r in results if r.status_code == 429)
+    assert refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["type"] == "rate_limit_error"
