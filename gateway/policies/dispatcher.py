@@ -125,6 +125,8 @@ class Dispatcher:
             item = self.queues.get(m.request_id)
             if target is None or not target.healthy or item is None or item.engine != m.source:
                 continue
+            if self.queues.count(m.target) >= self.queues.max_per_engine:
+                continue
             self.queues.move(m.request_id, m.target, m.hit_tokens)
             self.migrated += 1
             if m.target not in targets:

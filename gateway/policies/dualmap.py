@@ -122,8 +122,8 @@ class DualMapPolicy(PolicyBase):
         self._ring_sets.move_to_end(members)
         self.rings = rings
         self.hotness.instances = len(engines)
-        for gone in set(self.cache.engines) - set(engines):
-            self.cache.remove_engine(gone)
+        # The prompt LRUs stay: a multi-model gateway shows each model's engines in turn;
+        # an engine that really left is forgotten in on_engine_removed.
 
     def on_engine_removed(self, engine: EngineId) -> None:
         for ring in self.rings:
@@ -195,6 +195,10 @@ class DualMapPolicy(PolicyBase):
             candidates=tuple(e.id for e in cands),
         )
 
+    def _there(self, engine: EngineView, queued: int, extra: int, prompt: int, hit: int) -> float:
+        """TTFT estimate of a request on ``engine`` behind ``queued`` + ``extra`` tokens."""
+        return (engine.pending_prefill_tokens + queued + extra + prompt - hit) * self.spt
+
     # -- hooks -------------------------------------------------------------------
     def on_routed(self, req: RequestInfo, decision: Decision, now: float) -> None:
         cap = self.config.cache_blocks or self._capacity.get(decision.engine, _DEFAULT_LRU_BLOCKS)
@@ -235,20 +239,30 @@ class DualMapPolicy(PolicyBase):
                     self.cache.match(item.req.block_hashes).get(target.id, 0) * item.req.block_size,
                     item.req.prompt_tokens - 1,
                 )
-                here = (source.pending_prefill_tokens + queued) * self.spt
-                there = (
-                    target.pending_prefill_tokens
-                    + target.router_queued_tokens
-                    + extra.get(target.id, 0)
-                    + item.req.prompt_tokens
-                    - hit
-                ) * self.spt
-                if here - there > 0 and there < item.req.slo.ttft_s:
-                    options.append((here - there, item, target, hit))
+                benefit = self._there(source, queued, 0, item.req.prompt_tokens, 0) - self._there(
+                    target,
+                    target.router_queued_tokens,
+                    extra.get(target.id, 0),
+                    item.req.prompt_tokens,
+                    hit,
+                )
+                if benefit > 0:
+                    options.append((benefit, item, target, hit))
             options.sort(key=lambda o: -o[0])
             for _, item, target, hit in options:
-                if (source.pending_prefill_tokens + queued) * self.spt <= slo:
-                    break
+                stale = now - item.enqueued >= cfg.overload_wait_s
+                if (source.pending_prefill_tokens + queued) * self.spt <= slo and not stale:
+                    continue  # the source meets the SLO; only requests waiting too long still go
+                here = (source.pending_prefill_tokens + queued) * self.spt
+                there = self._there(
+                    target,
+                    target.router_queued_tokens,
+                    extra.get(target.id, 0),
+                    item.req.prompt_tokens,
+                    hit,
+                )
+                if here - there <= 0 or there >= item.req.slo.ttft_s:
+                    continue  # priced again with what this round already moved there
                 moves.append(Migration(item.req.id, source_id, target.id, hit))
                 queued -= item.uncached_tokens
                 extra[target.id] = extra.get(target.id, 0) + item.req.prompt_tokens - hit

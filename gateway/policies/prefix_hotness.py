@@ -48,7 +48,10 @@ class PrefixHotness:
 
     @property
     def cold(self) -> float:
-        return self.cold_fixed if self.cold_fixed is not None else 1.0 / max(1, self.instances)
+        """1/n by default, and never above half the hot threshold (else splits flap)."""
+        if self.cold_fixed is not None:
+            return self.cold_fixed
+        return min(1.0 / max(1, self.instances), self.hot / 2)
 
     @property
     def expanded(self) -> int:
