@@ -48,6 +48,32 @@ class EngineConfig(_Strict):
         return value
 
 
+class SloConfig(_Strict):
+    """A service level: TTFT and TPOT targets in seconds."""
+
+    ttft_s: float = Field(gt=0)
+    tpot_s: float = Field(gt=0)
+
+
+def _default_slos() -> dict[str, SloConfig]:
+    return {
+        "interactive": SloConfig(ttft_s=1.0, tpot_s=0.05),
+        "standard": SloConfig(ttft_s=5.0, tpot_s=0.1),
+        "batch": SloConfig(ttft_s=60.0, tpot_s=0.5),
+    }
+
+
+class PDConfig(_Strict):
+    """Conditional disaggregation (when prefill and decode engines are both configured)."""
+
+    min_uncached_tokens: int = Field(
+        default=256, ge=0, description="prefill on the decode engine below this many uncached"
+    )
+    saturation_tokens: int = Field(
+        default=65_536, ge=1, description="prefill pool saturated: every engine has this pending"
+    )
+
+
 class PolicyConfig(_Strict):
     name: str = "cache_aware"
     options: dict[str, Any] = Field(default_factory=dict)
@@ -92,6 +118,11 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     engines: list[EngineConfig] = Field(default_factory=list)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    slo_classes: dict[str, SloConfig] = Field(default_factory=_default_slos)
+    default_slo_class: str = Field(
+        default="standard", description="SLO class of requests without x-kvgate-slo-class"
+    )
+    pd: PDConfig = Field(default_factory=PDConfig)
     block_size: int | None = Field(
         default=None,
         ge=1,

@@ -127,6 +127,19 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.pd_legs = Counter(
+            "kvgate_pd_requests",
+            "Disaggregated routing: remote prefill, local prefill on the "
+            "decode engine, fallback after a failed prefill leg, or a unified pool",
+            ["mode"],
+            registry=r,
+        )
+        self.pd_prefill_seconds = Histogram(
+            "kvgate_pd_prefill_seconds",
+            "Duration of prefill legs (P/D)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.engine_errors = Counter(
             "kvgate_engine_errors",
             "Upstream failures by engine and kind",

@@ -32,6 +32,20 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="an engine's base URL (repeatable); adds to the config's engines",
     )
+    p.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a prefill-only engine (disaggregated serving; repeatable)",
+    )
+    p.add_argument(
+        "--decode",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a decode-only engine (disaggregated serving; repeatable)",
+    )
     p.add_argument("--policy", metavar="NAME", help=f"routing policy ({', '.join(POLICIES)})")
     p.add_argument(
         "--policy-option",
@@ -56,10 +70,16 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "log_level": args.log_level,
     }
     base = load_settings(args.config)
-    if args.engine:
-        overrides["engines"] = [e.model_dump() for e in base.engines] + [
-            {"url": url} for url in args.engine
-        ]
+    added = (
+        [{"url": u} for u in args.engine]
+        + [{"url": u, "role": "prefill"} for u in args.prefill]
+        + [{"url": u, "role": "decode"} for u in args.decode]
+    )
+    if added:
+        overrides["engines"] = [
+            {**e.model_dump(), "api_key": e.api_key.get_secret_value() if e.api_key else None}
+            for e in base.engines
+        ] + added
     if args.policy or args.policy_option:
         options = dict(base.policy.options)
         for item in args.policy_option:
@@ -71,6 +91,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     settings = load_settings(args.config, **overrides)
     if not settings.engines:
         raise ConfigError("no engines: pass --engine URL or list engines in --config")
+    roles = {e.role for e in settings.engines}
+    if "prefill" in roles and not roles & {"decode", "both"}:
+        raise ConfigError("prefill engines need at least one decode (or both) engine")
     urls = [e.url for e in settings.engines]
     if len(set(urls)) != len(urls):
         raise ConfigError("an engine URL is listed twice")

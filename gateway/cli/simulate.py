@@ -82,6 +82,20 @@ def register(sub: Any) -> None:
         help="also search each policy's effective request capacity",
     )
     p.add_argument(
+        "--prefill-instances",
+        type=int,
+        default=0,
+        metavar="K",
+        help="disaggregated serving: the first K instances prefill, the rest decode",
+    )
+    p.add_argument(
+        "--kv-bandwidth",
+        type=float,
+        default=25.0,
+        metavar="GBPS",
+        help="KV transfer bandwidth between prefill and decode instances (default 25 GB/s)",
+    )
+    p.add_argument(
         "--priority-groups",
         action="store_true",
         help="engines use Preble's local priority groups instead of FCFS",
@@ -162,7 +176,11 @@ def run(args: argparse.Namespace) -> int:
     opts = SimulateOptions(
         policies=policies,
         cluster=ClusterSpec(
-            instances=args.instances, perf=perf, priority_groups=args.priority_groups
+            instances=args.instances,
+            perf=perf,
+            priority_groups=args.priority_groups,
+            prefill_instances=args.prefill_instances,
+            kv_bandwidth_gbps=args.kv_bandwidth,
         ),
         seed=args.seed,
         capacity=args.capacity,

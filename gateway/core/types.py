@@ -62,6 +62,7 @@ class RequestInfo:
     output_tokens: int | None = None
     slo: SloClass = DEFAULT_SLO
     model: str = ""
+    max_tokens: int | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -124,6 +125,18 @@ class ClusterView:
     @property
     def ids(self) -> tuple[EngineId, ...]:
         return tuple(e.id for e in self.engines)
+
+    @property
+    def disaggregated(self) -> bool:
+        """True when healthy prefill-only and decode-only engines are both present."""
+        roles = {e.role for e in self.engines if e.healthy}
+        return EngineRole.PREFILL in roles and EngineRole.DECODE in roles
+
+    def pool(self, role: EngineRole) -> ClusterView:
+        """The engines that can serve ``role`` (``BOTH`` engines serve either phase)."""
+        if role is EngineRole.PREFILL:
+            return ClusterView(tuple(e for e in self.engines if e.serves_prefill))
+        return ClusterView(tuple(e for e in self.engines if e.serves_decode))
 
     def healthy(self) -> tuple[EngineView, ...]:
         return tuple(e for e in self.engines if e.healthy)

@@ -40,6 +40,7 @@ class Policy(Protocol):
     name: str
     wants_cache_events: bool
     may_hold: bool
+    pd_native: bool
 
     def decide(self, req: RequestInfo, view: ClusterView, now: float) -> Decision: ...
     def on_routed(self, req: RequestInfo, decision: Decision, now: float) -> None: ...
@@ -50,6 +51,7 @@ class Policy(Protocol):
     ) -> None: ...
     def on_engine_removed(self, engine: EngineId) -> None: ...
     def on_membership(self, engines: Sequence[EngineId]) -> None: ...
+    def on_prefill_done(self, req: RequestInfo, engine: EngineId, now: float, ok: bool) -> None: ...
     def can_dispatch(
         self, engine: EngineView, pending_tokens: int, item: QueuedRequest
     ) -> bool: ...
@@ -63,6 +65,9 @@ class PolicyBase:
     wants_cache_events: ClassVar[bool] = False
     may_hold: bool = False
     """True when ``decide`` may return ``hold`` (drivers then watch for clients leaving)."""
+    pd_native: ClassVar[bool] = False
+    """True when ``decide`` picks (prefill, decode) pairs itself in disaggregated clusters;
+    otherwise the dispatcher asks ``decide`` once per pool."""
 
     def decide(self, req: RequestInfo, view: ClusterView, now: float) -> Decision:
         raise NotImplementedError
@@ -86,6 +91,10 @@ class PolicyBase:
 
     def on_membership(self, engines: Sequence[EngineId]) -> None:
         """The set of engines (healthy or not) changed; called before ``decide``."""
+        return None
+
+    def on_prefill_done(self, req: RequestInfo, engine: EngineId, now: float, ok: bool) -> None:
+        """The prefill leg of a disaggregated request left ``engine``."""
         return None
 
     def can_dispatch(self, engine: EngineView, pending_tokens: int, item: QueuedRequest) -> bool:

@@ -14,14 +14,27 @@ the policy move held requests between queues. The driver owns the waiting
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gateway.core.errors import NoEngineError
-from gateway.core.types import ClusterView, Decision, EngineId, RequestInfo
+from gateway.core.types import ClusterView, Decision, EngineId, EngineRole, RequestInfo
 from gateway.policies.base import Policy
 from gateway.policies.router_queues import QueuedRequest, QueueFullError, RouterQueues
 
-__all__ = ["DecisionTimes", "Dispatcher", "PolicyError", "QueueFullError"]
+__all__ = ["DecisionTimes", "Dispatcher", "PDSettings", "PolicyError", "QueueFullError"]
+
+
+@dataclass(frozen=True, slots=True)
+class PDSettings:
+    """Conditional disaggregation: when a disaggregated request skips the prefill pool.
+
+    The remote prefill is skipped (the decode engine prefills locally) when fewer than
+    ``min_uncached_tokens`` prompt tokens are not already cached on the decode engine, or
+    when every prefill engine has ``saturation_tokens`` or more prefill tokens pending.
+    """
+
+    min_uncached_tokens: int = 256
+    saturation_tokens: int = 65_536
 
 
 class PolicyError(RuntimeError):
@@ -50,8 +63,11 @@ class Dispatcher:
         timer: Callable[[], float] | None = None,
         timing_limit: int = 1_000_000,
         queues: RouterQueues | None = None,
+        pd: PDSettings | None = None,
     ) -> None:
         self.policy = policy
+        self.pd = pd or PDSettings()
+        self.pd_skipped = 0
         self._timer = timer
         self.times = DecisionTimes(limit=timing_limit)
         self.in_flight: dict[EngineId, int] = {}
@@ -75,14 +91,25 @@ class Dispatcher:
             self._members = members
             self.policy.on_membership(members)
         timer = self._timer
-        if timer is None:
-            decision = self.policy.decide(req, view, now)
+        start = timer() if timer is not None else 0.0
+        pair = view.disaggregated and not self.policy.pd_native
+        if pair:
+            decision, prefill, decode = self._decide_pair(req, view, now)
         else:
-            start = timer()
-            decision = self.policy.decide(req, view, now)
+            decision, prefill, decode = self.policy.decide(req, view, now), None, None
+        if timer is not None:
             self.times.add(timer() - start)
         self._validate(decision, view)
-        if decision.hold:
+        if decision.prefill_engine is not None:
+            self.in_flight[decision.prefill_engine] = (
+                self.in_flight.get(decision.prefill_engine, 0) + 1
+            )
+        if decode is not None:  # two sub-decisions: the policy sees each as routed
+            if prefill is not None:
+                self.policy.on_routed(req, prefill, now)
+            self.policy.on_routed(req, decode, now)
+            self.in_flight[decision.engine] = self.in_flight.get(decision.engine, 0) + 1
+        elif decision.hold:
             self.queues.push(
                 req,
                 decision.engine,
@@ -97,6 +124,36 @@ class Dispatcher:
             self.in_flight[decision.engine] = self.in_flight.get(decision.engine, 0) + 1
         self.routed += 1
         return decision
+
+    def _decide_pair(
+        self, req: RequestInfo, view: ClusterView, now: float
+    ) -> tuple[Decision, Decision | None, Decision]:
+        """Ask a single-pool policy for a decode engine, then (unless skipped) a prefill one.
+
+        Returns the combined decision and the two sub-decisions (prefill may be None).
+        """
+        decode = replace(self.policy.decide(req, view.pool(EngineRole.DECODE), now), hold=False)
+        prefills = view.pool(EngineRole.PREFILL)
+        uncached = req.prompt_tokens - decode.expected_hit_tokens
+        saturated = all(
+            e.pending_prefill_tokens >= self.pd.saturation_tokens for e in prefills.healthy()
+        )
+        if uncached < self.pd.min_uncached_tokens or saturated or not prefills.healthy():
+            self.pd_skipped += 1
+            return replace(decode, reason=decode.reason + ":local_prefill"), None, decode
+        prefill = self.policy.decide(req, prefills, now)
+        combined = replace(
+            decode,
+            prefill_engine=prefill.engine,
+            expected_hit_tokens=prefill.expected_hit_tokens,
+            reason=f"{prefill.reason}>{decode.reason}",
+        )
+        return combined, replace(prefill, hold=False), decode
+
+    def prefill_done(self, req: RequestInfo, engine: EngineId, now: float, ok: bool) -> None:
+        """The prefill leg of a disaggregated request left ``engine``."""
+        self._leave(engine)
+        self.policy.on_prefill_done(req, engine, now, ok)
 
     def release(self, engine: EngineId, view: ClusterView, now: float) -> list[QueuedRequest]:
         """Held requests of ``engine`` the policy lets go now; they are in flight from here."""
@@ -145,12 +202,15 @@ class Dispatcher:
 
     def finished(self, req: RequestInfo, engine: EngineId, now: float, ok: bool) -> None:
         """The request left ``engine`` (completed when ``ok``, failed or cancelled otherwise)."""
+        self._leave(engine)
+        self.policy.on_finished(req, engine, now, ok)
+
+    def _leave(self, engine: EngineId) -> None:
         count = self.in_flight.get(engine, 0)
         if count <= 1:
             self.in_flight.pop(engine, None)
         else:
             self.in_flight[engine] = count - 1
-        self.policy.on_finished(req, engine, now, ok)
 
     def cache_event(self, engine: EngineId, stored: Sequence[int], removed: Sequence[int]) -> None:
         if self.policy.wants_cache_events and (stored or removed):

@@ -9,8 +9,10 @@ from typing import Any
 from gateway.core.errors import ConfigError
 from gateway.policies.base import Policy, PolicyContext, build_config
 from gateway.policies.cache_aware import CacheAwareConfig, CacheAwarePolicy
+from gateway.policies.cost_model import CostModelConfig, CostModelPolicy
 from gateway.policies.dualmap import DualMapConfig, DualMapPolicy
 from gateway.policies.least_loaded import LeastLoadedConfig, LeastLoadedPolicy
+from gateway.policies.length_heuristic import LengthHeuristicConfig, LengthHeuristicPolicy
 from gateway.policies.power_of_two import PowerOfTwoConfig, PowerOfTwoPolicy
 from gateway.policies.preble import PrebleConfig, PreblePolicy
 from gateway.policies.round_robin import RoundRobinConfig, RoundRobinPolicy
@@ -37,6 +39,8 @@ POLICIES: Mapping[str, PolicyFactory] = MappingProxyType(
         "weighted_scorer": _factory(WeightedScorerPolicy, WeightedScorerConfig),
         "preble": _factory(PreblePolicy, PrebleConfig),
         "dualmap": _factory(DualMapPolicy, DualMapConfig),
+        "cost_model": _factory(CostModelPolicy, CostModelConfig),
+        "length_heuristic": _factory(LengthHeuristicPolicy, LengthHeuristicConfig),
     }
 )
 """Every policy kvgate ships, by registry key."""

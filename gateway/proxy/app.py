@@ -18,7 +18,7 @@ from gateway.core.types import EngineRole
 from gateway.observability import GatewayMetrics
 from gateway.perfmodel.presets import load_preset
 from gateway.policies.base import PolicyContext
-from gateway.policies.dispatcher import Dispatcher
+from gateway.policies.dispatcher import Dispatcher, PDSettings
 from gateway.policies.registry import create_policy
 from gateway.policies.router_queues import RouterQueues
 from gateway.proxy import routes_admin, routes_openai
@@ -97,6 +97,10 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         )
         dispatcher = Dispatcher(
             policy,
+            pd=PDSettings(
+                min_uncached_tokens=settings.pd.min_uncached_tokens,
+                saturation_tokens=settings.pd.saturation_tokens,
+            ),
             queues=RouterQueues(max_total=settings.max_queued, max_per_engine=settings.max_queued),
         )
         metrics = GatewayMetrics()

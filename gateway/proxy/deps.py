@@ -12,6 +12,7 @@ from fastapi import Request
 from gateway.cluster.monitor import EngineMonitor
 from gateway.cluster.registry import EngineRegistry
 from gateway.config import Settings
+from gateway.core.types import SloClass
 from gateway.observability import GatewayMetrics
 from gateway.policies.dispatcher import Dispatcher
 from gateway.proxy.errors import ApiError
@@ -31,6 +32,17 @@ class GatewayState:
     monitor: EngineMonitor
     forwarder: Forwarder
     keyer: RoutingKeyer
+
+    def slo_for(self, name: str | None) -> SloClass:
+        """The SLO class a request asked for (header ``x-kvgate-slo-class``), or the default."""
+        key = name or self.settings.default_slo_class
+        cfg = self.settings.slo_classes.get(key)
+        if cfg is None:
+            known = ", ".join(sorted(self.settings.slo_classes))
+            raise ApiError(
+                400, f"unknown SLO class {key!r} (known: {known})", param="x-kvgate-slo-class"
+            )
+        return SloClass(key, cfg.ttft_s, cfg.tpot_s)
 
 
 def get_state(request: Request) -> GatewayState:

@@ -20,6 +20,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import anyio
 from starlette.background import BackgroundTask
@@ -31,6 +32,7 @@ from gateway.core.types import ClusterView, Decision, RequestInfo
 from gateway.observability import GatewayMetrics
 from gateway.policies.dispatcher import Dispatcher
 from gateway.policies.router_queues import QueuedRequest, QueueFullError
+from gateway.proxy.disagg import decode_body, run_prefill
 from gateway.proxy.errors import ApiError, error_body
 from gateway.proxy.upstream import Upstream, UpstreamConnectError, UpstreamError, UpstreamResponse
 
@@ -59,6 +61,9 @@ class Exchange:
     attempts: int = 0
     engine: str | None = None
     held: asyncio.Future[QueuedRequest] | None = None
+    body: dict[str, Any] | None = None
+    payload: bytes = b""
+    """What goes to the (decode) engine: ``raw``, or the decode leg's body in P/D."""
 
 
 class _RetryableError(Exception):
@@ -106,6 +111,18 @@ class Forwarder:
             engine_id, hit = decision.engine, decision.expected_hit_tokens
             if decision.hold:
                 engine_id, hit = await self._held(ex)
+            ex.payload = ex.raw
+            if decision.prefill_engine is not None:
+                leg = await run_prefill(self, ex, decision.prefill_engine)
+                if leg.response is not None:  # the prefill engine refused the request
+                    self._finish_refused(ex, engine_id)
+                    return leg.response
+                if leg.params is not None:
+                    assert ex.body is not None
+                    ex.payload = decode_body(ex.body, leg.params)
+                    hit = ex.info.prompt_tokens  # the decode engine loads the prompt's KV
+            else:
+                self.metrics.pd_legs.labels("unified" if not view.disaggregated else "local").inc()
             self.registry.add_pending(engine_id, ex.request_id, max(0, ex.info.prompt_tokens - hit))
             engine = self.registry.get(engine_id)
             if engine is None:  # pragma: no cover - removed between view and route
@@ -222,6 +239,22 @@ class Forwarder:
             except Exception:  # pragma: no cover - never let the pump die
                 log.exception("router queue pump failed")
 
+    def headers_for(self, ex: Exchange, engine: EngineState) -> list[tuple[bytes, bytes]]:
+        return self._headers(ex, engine)
+
+    def prefill_failed(self, engine_id: str, detail: str, reason: str) -> None:
+        """A prefill leg failed before its answer: count it against the prefill engine."""
+        self.metrics.engine_errors.labels(engine_id, "prefill_" + reason).inc()
+        if self.registry.mark_failure(
+            engine_id, detail, self.clock(), immediate=reason == "connect"
+        ):
+            log.warning("engine %s taken out of routing: %s", engine_id, detail)
+
+    def _finish_refused(self, ex: Exchange, engine_id: str) -> None:
+        self.dispatcher.finished(ex.info, engine_id, self.clock(), ok=False)
+        self.metrics.requests.labels(ex.route, self.policy, "engine_client_error").inc()
+        self.pump(engine_id)
+
     def _headers(self, ex: Exchange, engine: EngineState) -> list[tuple[bytes, bytes]]:
         headers = [_JSON, (b"x-request-id", ex.request_id.encode())]
         if engine.api_key:
@@ -238,7 +271,9 @@ class Forwarder:
 
     async def _send(self, ex: Exchange, engine: EngineState) -> UpstreamResponse:
         try:
-            resp = await self.upstream.send(engine.url + ex.path, self._headers(ex, engine), ex.raw)
+            resp = await self.upstream.send(
+                engine.url + ex.path, self._headers(ex, engine), ex.payload or ex.raw
+            )
         except UpstreamError as exc:
             raise _RetryableError(
                 exc.reason, str(exc), immediate=isinstance(exc, UpstreamConnectError)

@@ -64,6 +64,7 @@ async def handle_openai(
     model = resolve_model(state, parsed.model)
     given = headers.get("x-request-id")
     rid = given if given and _REQUEST_ID.match(given) else uuid.uuid4().hex
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     info = RequestInfo(
         id=rid,
         block_hashes=hashes,
@@ -71,6 +72,8 @@ async def handle_openai(
         arrival=started,
         block_size=state.keyer.block_size,
         model=model or "",
+        max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+        slo=state.slo_for(headers.get("x-kvgate-slo-class")),
     )
     exchange = Exchange(
         route=route,
@@ -82,6 +85,7 @@ async def handle_openai(
         request_id=rid,
         started=started,
         client_headers={k: headers[k] for k in FORWARD_HEADERS if k in headers},
+        body=body,
     )
     return await state.forwarder.forward(exchange)
 

@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
-from gateway.core.types import ClusterView, EngineView, RequestInfo
+from gateway.core.types import ClusterView, EngineRole, EngineView, RequestInfo
 from gateway.perfmodel.engine import EngineCore, EngineRequest, StepOutcome
 from gateway.perfmodel.model import PerfModel
 from gateway.policies.base import Policy
@@ -34,10 +34,23 @@ class ClusterSpec:
     max_decode_run: int = 256
     scale_events: tuple[tuple[float, int], ...] = ()
     """(time, instances): from that time on, only that many engines take new requests."""
+    prefill_instances: int = 0
+    """P/D: the first this many engines are prefill-only, the rest decode-only (0: unified)."""
+    kv_bandwidth_gbps: float = 25.0
+    """P/D: KV transfer bandwidth between a prefill and a decode engine."""
 
     def __post_init__(self) -> None:
         if self.instances <= 0 or any(n <= 0 for _, n in self.scale_events):
             raise ValueError("instances must be positive")
+        if self.prefill_instances and not 0 < self.prefill_instances < self.instances:
+            raise ValueError("prefill_instances must leave at least one engine of each role")
+        if self.kv_bandwidth_gbps <= 0:
+            raise ValueError("kv_bandwidth_gbps must be positive")
+
+    def role(self, index: int) -> EngineRole:
+        if not self.prefill_instances:
+            return EngineRole.BOTH
+        return EngineRole.PREFILL if index < self.prefill_instances else EngineRole.DECODE
 
     @property
     def max_instances(self) -> int:
@@ -59,6 +72,8 @@ class RequestRecord:
     preemptions: int = 0
     held: bool = False
     queue_wait: float = 0.0
+    prefill_engine: str | None = None
+    kv_transfer_s: float = 0.0
 
     @property
     def ttft(self) -> float | None:
@@ -124,6 +139,7 @@ class Simulation:
         self._index = {e.id: i for i, e in enumerate(self.engines)}
         self._versions = [0] * len(self.engines)
         self._heap: list[tuple[float, int, int, int]] = []
+        self._transfers: list[tuple[float, int, RequestRecord]] = []
         self._seq = 0
 
     def run(self) -> SimRun:
@@ -134,8 +150,18 @@ class Simulation:
         heap = self._heap
         n = len(reqs)
         ai = 0
-        while ai < n or heap:
+        transfers = self._transfers
+        while ai < n or heap or transfers:
             next_arrival = reqs[ai].arrival if ai < n else math.inf
+            if (
+                transfers
+                and transfers[0][0] <= next_arrival
+                and (not heap or transfers[0][0] <= heap[0][0])
+            ):
+                t, _, record = heapq.heappop(transfers)
+                out.events += 1
+                self._submit(record, t, next_arrival)  # the KV arrived: decode it
+                continue
             if heap and heap[0][0] <= next_arrival:
                 t, _, idx, version = heapq.heappop(heap)
                 if version != self._versions[idx]:
@@ -189,26 +215,37 @@ class Simulation:
         record.engine = decision.engine
         record.expected_hit_tokens = decision.expected_hit_tokens
         record.held = decision.hold
+        record.prefill_engine = decision.prefill_engine
         return record
 
     def _submit(self, record: RequestRecord, now: float, horizon: float) -> None:
-        """Send a routed (or released) request to its engine and wake the engine."""
+        """Send a routed (or released) request to its engine and wake the engine.
+
+        A disaggregated request goes to its prefill engine first (one output token,
+        like vLLM's prefill leg); after its KV transfer it comes back here for decode.
+        """
         src = record.source
-        idx = self._index[record.engine]
+        prefill = record.prefill_engine is not None and record.kv_transfer_s == 0.0
+        target = record.prefill_engine if prefill else record.engine
+        assert target is not None
+        idx = self._index[target]
         engine = self.engines[idx]
-        reason = engine.admissible(src.prompt_tokens, src.output_tokens)
+        reason = engine.admissible(src.prompt_tokens, 1 if prefill else src.output_tokens)
         if reason is not None:
             record.rejected = reason
+            if record.prefill_engine is not None:
+                self.dispatcher.prefill_done(record.info, record.prefill_engine, now, ok=False)
             self.dispatcher.finished(record.info, record.engine, now, ok=False)
             return
         engine.submit(
             EngineRequest(
-                id=src.id,
+                id=src.id + ("#prefill" if prefill else ""),
                 prompt_tokens=src.prompt_tokens,
                 block_hashes=src.block_hashes,
-                output_tokens=src.output_tokens,
+                output_tokens=1 if prefill else src.output_tokens,
                 arrival=src.arrival,
-                payload=record,
+                payload=_PrefillLeg(record) if prefill else record,
+                remote_tokens=src.prompt_tokens if record.prefill_engine and not prefill else 0,
             )
         )
         if engine.busy:
@@ -228,12 +265,30 @@ class Simulation:
 
     def _apply(self, engine: EngineCore, step: StepOutcome, now: float) -> None:
         dispatcher = self.dispatcher
+        for req in step.finished:
+            if isinstance(req.payload, _PrefillLeg):  # prefill leg done: transfer the KV
+                record = req.payload.record
+                record.cached_tokens = req.cached_tokens or 0
+                dispatcher.prefill_done(record.info, engine.id, now, ok=True)
+                record.kv_transfer_s = max(
+                    1e-9,
+                    record.source.prompt_tokens
+                    * self.cluster.perf.kv_bytes_per_token
+                    / (self.cluster.kv_bandwidth_gbps * 1e9),
+                )
+                self._seq += 1
+                heapq.heappush(self._transfers, (now + record.kv_transfer_s, self._seq, record))
         for req in step.first_tokens:
+            if isinstance(req.payload, _PrefillLeg):
+                continue
             record = _record(req)
             record.first_token_time = req.first_token_time
-            record.cached_tokens = req.cached_tokens or 0
+            if record.prefill_engine is None:
+                record.cached_tokens = req.cached_tokens or 0
             dispatcher.first_token(record.info, engine.id, now)
         for req in step.finished:
+            if isinstance(req.payload, _PrefillLeg):
+                continue
             record = _record(req)
             record.finish_time = req.finish_time
             record.preemptions = req.preemptions
@@ -266,6 +321,7 @@ class Simulation:
             tuple(
                 EngineView(
                     id=e.id,
+                    role=self.cluster.role(i),
                     num_waiting=e.num_waiting,
                     num_running=e.num_running,
                     pending_prefill_tokens=e.pending_prefill_tokens,
@@ -275,9 +331,16 @@ class Simulation:
                     router_queued=queues.count(e.id),
                     router_queued_tokens=queues.tokens(e.id),
                 )
-                for e in self.engines[: self._active]
+                for i, e in enumerate(self.engines[: self._active])
             )
         )
+
+
+@dataclass(slots=True)
+class _PrefillLeg:
+    """Marks the prefill-only part of a disaggregated request inside a prefill engine."""
+
+    record: RequestRecord
 
 
 def _record(req: EngineRequest) -> RequestRecord:

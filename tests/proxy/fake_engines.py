@@ -69,6 +69,25 @@ class FakeEngine:
                 },
             )
         rid = request.headers.get("x-request-id", "none")
+        params = body.get("kv_transfer_params") or {}
+        if params.get("do_remote_decode") and self.mode != "no_params":
+            return httpx.Response(
+                200,
+                json={
+                    "id": f"cmpl-{rid}",
+                    "object": "text_completion",
+                    "model": self.model,
+                    "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+                    "kv_transfer_params": {
+                        "do_remote_prefill": True,
+                        "do_remote_decode": False,
+                        "remote_engine_id": self.url,
+                        "remote_block_ids": [1, 2],
+                        "remote_request_id": rid,
+                    },
+                },
+            )
         if body.get("stream"):
             return httpx.Response(
                 200, headers={"content-type": "text/event-stream"}, content=self._sse(rid)

@@ -315,3 +315,105 @@ async def test_full_router_queue_answers_429_with_retry_after() -> None:
     refused = next(r for r in results if r.status_code == 429)
     assert refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["type"] == "rate_limit_error"
+
+
+LONG = "a long prompt that is worth a remote prefill " * 60
+
+
+@asynccontextmanager
+async def pd_gateway(
+    prefill: FakeEngine, decode: FakeEngine, **settings: Any
+) -> AsyncIterator[httpx.AsyncClient]:
+    cluster = FakeCluster(prefill, decode)
+    cfg = load_settings(
+        engines=[{"url": prefill.url, "role": "prefill"}, {"url": decode.url, "role": "decode"}],
+        retries={"max_attempts": 3, "backoff_s": 0.0},
+        log_requests=False,
+        **settings,
+    )
+    app = create_app(cfg, transport=cluster.transport())
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 5000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            yield client
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_disaggregated_request_runs_both_legs_like_the_nixl_proxy(stream: bool) -> None:
+    p, d = FakeEngine(A), FakeEngine(B)
+    body = {
+        "model": "m",
+        "prompt": LONG,
+        "max_tokens": 20,
+        "min_tokens": 3,
+        "stream": stream,
+        "stream_options": {"include_usage": True} if stream else None,
+    }
+    async with pd_gateway(p, d) as gw:
+        r = await gw.post("/v1/completions", json=body, headers={"x-request-id": "pd-1"})
+        metrics = (await gw.get("/metrics")).text
+    assert r.status_code == 200
+    assert r.headers["x-kvgate-engine"] == B
+    assert len(p.seen) == 1 and len(d.seen) == 1
+    leg = p.seen[0]
+    assert leg["kv_transfer_params"]["do_remote_decode"] is True
+    assert leg["kv_transfer_params"]["do_remote_prefill"] is False
+    assert leg["max_tokens"] == 1 and leg["stream"] is False
+    assert "stream_options" not in leg and "min_tokens" not in leg
+    dec = d.seen[0]
+    assert dec["kv_transfer_params"]["remote_engine_id"] == A  # the prefill reply's params
+    assert dec["max_tokens"] == 20 and dec["min_tokens"] == 3 and dec["stream"] is stream
+    assert p.headers[0]["x-request-id"] == d.headers[0]["x-request-id"] == "pd-1"
+    assert 'kvgate_pd_requests_total{mode="remote"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("mode", ["refuse", "status503", "no_params"])
+async def test_failed_prefill_leg_falls_back_to_a_local_prefill(mode: str) -> None:
+    p, d = FakeEngine(A), FakeEngine(B)
+    async with pd_gateway(p, d) as gw:
+        p.mode = mode
+        r = await gw.post("/v1/completions", json={"model": "m", "prompt": LONG})
+        metrics = (await gw.get("/metrics")).text
+        admin = (await gw.get("/admin/engines")).json()
+    assert r.status_code == 200
+    assert len(d.seen) == 1 and "kv_transfer_params" not in d.seen[0]
+    assert 'kvgate_pd_requests_total{mode="fallback"} 1.0' in metrics
+    assert all(
+        e["in_flight"] == 0 and e["pending_prefill_tokens_est"] == 0 for e in admin["engines"]
+    )  # nothing left half-done
+
+
+async def test_prefill_engine_client_error_is_answered_and_decode_never_called() -> None:
+    p, d = FakeEngine(A, mode="status400"), FakeEngine(B)
+    async with pd_gateway(p, d) as gw:
+        r = await gw.post("/v1/completions", json={"model": "m", "prompt": LONG})
+        admin = (await gw.get("/admin/engines")).json()
+    assert r.status_code == 400
+    assert d.seen == []
+    assert all(e["in_flight"] == 0 for e in admin["engines"])
+
+
+async def test_short_uncached_prompts_prefill_on_the_decode_engine() -> None:
+    p, d = FakeEngine(A), FakeEngine(B)
+    async with pd_gateway(p, d, pd={"min_uncached_tokens": 256}) as gw:
+        short = await gw.post("/v1/completions", json={"model": "m", "prompt": "short prompt"})
+        long = await gw.post("/v1/completions", json={"model": "m", "prompt": LONG})
+    assert short.status_code == long.status_code == 200
+    assert len(p.seen) == 1  # only the long prompt went to the prefill engine
+    assert len(d.seen) == 2
+
+
+async def test_slo_class_header_is_validated() -> None:
+    async with gateway(FakeEngine(A)) as gw:
+        ok = await gw.post(
+            "/v1/completions",
+            json={"model": "m", "prompt": "x"},
+            headers={"x-kvgate-slo-class": "interactive"},
+        )
+        bad = await gw.post(
+            "/v1/completions",
+            json={"model": "m", "prompt": "x"},
+            headers={"x-kvgate-slo-class": "gold"},
+        )
+    assert ok.status_code == 200
+    assert bad.status_code == 400 and "unknown SLO class 'gold'" in bad.json()["error"]["message"]
