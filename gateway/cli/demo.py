@@ -38,6 +38,11 @@ def register(sub: Any) -> None:
         help="engine time multiplier (0.1 = ten times faster than the preset)",
     )
     p.add_argument(
+        "--pd",
+        action="store_true",
+        help="disaggregated serving: half the engines prefill, half decode (vLLM NIXL flow)",
+    )
+    p.add_argument(
         "--priority-groups",
         action="store_true",
         help="engines admit by Preble's cache-hit priority groups (pairs with --policy preble)",
@@ -69,12 +74,17 @@ def wait_healthy(urls: list[str], procs: list[subprocess.Popen[bytes]], timeout:
             time.sleep(0.1)
 
 
-def banner(port: int, model: str, urls: list[str], policy: str) -> str:
+def banner(port: int, model: str, urls: list[str], policy: str, roles: list[str] | None) -> str:
     base = f"http://127.0.0.1:{port}"
+    if roles is None:
+        listing, mode = " ".join(urls), ""
+    else:
+        listing = " ".join(f"{u} ({r})" for u, r in zip(urls, roles, strict=True))
+        mode = ", disaggregated prefill/decode"
     return f"""
-kvgate demo: {len(urls)} emulated engines behind the gateway, policy {policy}
+kvgate demo: {len(urls)} emulated engines behind the gateway, policy {policy}{mode}
   gateway   {base}/v1   (metrics {base}/metrics, engines {base}/admin/engines)
-  engines   {" ".join(urls)}
+  engines   {listing}
 
 Try it:
   curl -s {base}/v1/chat/completions -H 'content-type: application/json' \\
@@ -112,6 +122,10 @@ def run(args: argparse.Namespace) -> int:
             s.bind(("127.0.0.1", args.port))
         except OSError:
             raise ConfigError(f"port {args.port} is in use; pick another with --port") from None
+    if args.pd and args.engines < 2:
+        raise ConfigError("--pd needs at least 2 engines (one prefill, one decode)")
+    n_prefill = max(1, args.engines // 2)
+    roles = ["prefill" if i < n_prefill else "decode" for i in range(args.engines)]
     procs: list[subprocess.Popen[bytes]] = []
     urls: list[str] = []
     try:
@@ -138,19 +152,25 @@ def run(args: argparse.Namespace) -> int:
                         "--log-level",
                         "warning",
                         *(["--priority-groups"] if args.priority_groups else []),
+                        *(["--role", roles[i]] if args.pd else []),
                     ]
                 )
             )
         wait_healthy(urls, procs, timeout=30)
         settings = load_settings(
-            engines=[{"url": u, "model": args.model} for u in urls],
+            engines=[
+                {"url": u, "model": args.model, "role": roles[i] if args.pd else "both"}
+                for i, u in enumerate(urls)
+            ],
             policy={"name": args.policy},
             port=args.port,
             log_requests=False,
             preset=args.preset,
         )
         configure_logging("warning")
-        print(banner(args.port, args.model, urls, args.policy), flush=True)
+        print(
+            banner(args.port, args.model, urls, args.policy, roles if args.pd else None), flush=True
+        )
         uvicorn.run(
             create_app(settings),
             host="127.0.0.1",

@@ -35,6 +35,8 @@ class EngineRequest:
     output_tokens: int
     arrival: float
     payload: object = None
+    remote_tokens: int = 0
+    """Prompt tokens whose KV arrives from a prefill engine (P/D): loaded, not computed."""
     # scheduler state
     num_computed: int = 0
     num_output: int = 0
@@ -48,6 +50,7 @@ class EngineRequest:
     aborted: bool = False
     # results
     cached_tokens: int | None = None
+    external_tokens: int = 0
     first_scheduled: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -176,8 +179,9 @@ class EngineCore:
             raise ValueError(f"request {req.id}: {reason}")
         if req.id in self._by_id:
             raise ValueError(f"request {req.id} is already in engine {self.id}")
-        limit = (req.prompt_tokens - 1) // self.model.block_size
-        hit = self.pool.match(req.block_hashes, limit) * self.model.block_size
+        bs = self.model.block_size
+        limit = min(len(req.block_hashes), (req.prompt_tokens - 1) // bs)
+        hit = max(self.pool.match(req.block_hashes, limit), self._remote_blocks(req, limit)) * bs
         req.hit_ratio = hit / req.prompt_tokens
         req.est_uncached = req.prompt_tokens - hit
         self._waiting_pending += req.est_uncached
@@ -325,8 +329,10 @@ class EngineCore:
                 req = cand
                 limit = min(len(req.block_hashes), (req.total_tokens - 1) // bs)
                 hits = pool.match(req.block_hashes, limit)
+                remote = self._remote_blocks(req, limit) if req.cached_tokens is None else 0
+                ready = max(hits, remote)  # blocks present at admission: cached or loaded
                 hit_hashes = req.block_hashes[:hits]
-                computed = hits * bs
+                computed = ready * bs
                 n = min(req.total_tokens - computed, budget)
                 need = model.blocks_for(computed + n) - hits
                 if need > pool.available - pool.count_evictable(hit_hashes):
@@ -337,10 +343,13 @@ class EngineCore:
                 pool.allocate(need)
                 req.held = list(hit_hashes)
                 req.anon = need
-                req.next_block = hits
+                if ready > hits:  # KV loaded from the prefill engine joins the prefix cache
+                    req.anon -= pool.register_many(req.block_hashes[hits:ready], req.held)
+                req.next_block = ready
                 req.num_computed = computed
                 if req.cached_tokens is None:
-                    req.cached_tokens = computed
+                    req.cached_tokens = hits * bs
+                    req.external_tokens = (ready - hits) * bs
                     req.first_scheduled = now
                 self._waiting_pending -= req.est_uncached
                 req.prefill_pending = req.prefill_left
@@ -407,6 +416,13 @@ class EngineCore:
         self.pool.release((), extra)
         plan.steps = k
         plan.end = plan.start + model.decode_run_time(plan.batch, plan.ctx, k)
+
+    def _remote_blocks(self, req: EngineRequest, limit: int) -> int:
+        """Full prompt blocks whose KV arrives from a prefill engine (vLLM loads whole blocks
+        and recomputes the rest, at least one token)."""
+        if req.remote_tokens <= 0:
+            return 0
+        return min(limit, min(req.remote_tokens, req.prompt_tokens - 1) // self.model.block_size)
 
     def _preempt(self, req: EngineRequest) -> None:
         self.running.remove(req)

@@ -167,14 +167,20 @@ class CostModelPolicy(PolicyBase):
         )
 
     def _spread(self, options: Sequence[_Option]) -> _Option:
-        """Scarcity: the least loaded option, rotating among equally loaded ones."""
+        """Scarcity: the least loaded option, rotating among equally loaded ones.
+
+        With a prefill pool, only remote options spread: under overload, prefilling on
+        decode engines would take decode time from every request already running there.
+        """
+        remote = [o for o in options if o.prefill is not None]
+        pool = remote or list(options)
 
         def load(o: _Option) -> tuple[int, int]:
-            p = o.prefill.pending_prefill_tokens if o.prefill else 0
-            return (o.decode.in_flight + o.decode.num_waiting, p + o.decode.pending_prefill_tokens)
+            prefill_side = o.prefill if o.prefill is not None else o.decode
+            return (prefill_side.pending_prefill_tokens, o.decode.in_flight + o.decode.num_waiting)
 
-        lowest = min(load(o) for o in options)
-        tied = [o for o in options if load(o) == lowest]
+        lowest = min(load(o) for o in pool)
+        tied = [o for o in pool if load(o) == lowest]
         return tied[self._rotation % len(tied)]
 
     # -- hooks ---------------------------------------------------------------------
