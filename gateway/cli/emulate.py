@@ -1,17 +1,21 @@
 """``kvgate emulate``: serve one emulated vLLM engine over HTTP (no GPU needed).
 
 The engine is the simulator's :class:`EngineCore` stepped in real time behind a
-vLLM-compatible API (see :mod:`gateway.emulator.server`).
+vLLM-compatible API (see :mod:`gateway.emulator.server`). ``--role`` makes it a
+prefill or decode engine of a P/D pair speaking vLLM NixlConnector's
+``kv_transfer_params`` (see :mod:`gateway.emulator.pd`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import socket
 import sys
 from typing import Any
 
 from gateway.core.errors import ConfigError
+from gateway.emulator.pd import ROLES
 from gateway.emulator.server import create_emulator_app
 from gateway.emulator.state import EmulatorSettings
 from gateway.perfmodel.presets import available_presets
@@ -70,6 +74,36 @@ def register(sub: Any) -> None:
         help="admit waiting requests by Preble's cache-hit priority groups instead of FCFS",
     )
     p.add_argument(
+        "--role",
+        default=_DEFAULTS.role,
+        choices=ROLES,
+        help="P/D role: prefill legs (do_remote_decode), decode legs (do_remote_prefill) or "
+        "both; plain requests are served on every role (default both)",
+    )
+    p.add_argument(
+        "--kv-bandwidth",
+        type=float,
+        default=_DEFAULTS.kv_bandwidth_gbps,
+        metavar="GBPS",
+        help="KV transfer bandwidth from prefill engines, GB/s "
+        f"(default {_DEFAULTS.kv_bandwidth_gbps:g}; scaled by --time-scale)",
+    )
+    p.add_argument(
+        "--kv-lease",
+        type=float,
+        default=_DEFAULTS.kv_lease_s,
+        metavar="S",
+        help="seconds a prefill engine keeps KV no decode engine read "
+        f"(default {_DEFAULTS.kv_lease_s:g}, wall clock)",
+    )
+    p.add_argument(
+        "--engine-id",
+        default=None,
+        metavar="ID",
+        help="the NIXL engine id in kv_transfer_params (default: a uuid derived from "
+        "host:port and seed)",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="uvicorn log level (default info)"
     )
     p.set_defaults(handler=run)
@@ -81,10 +115,14 @@ def settings_from_args(args: argparse.Namespace) -> EmulatorSettings:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
     if not args.time_scale > 0:
         raise ConfigError(f"--time-scale must be positive, got {args.time_scale}")
-    for flag in ("kv_blocks", "max_model_len"):
+    for flag in ("kv_blocks", "max_model_len", "kv_bandwidth", "kv_lease"):
         value = getattr(args, flag)
-        if value is not None and value <= 0:
+        if value is not None and not value > 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    if args.role not in ROLES:
+        raise ConfigError(f"--role must be one of {', '.join(ROLES)}, got {args.role!r}")
+    if args.engine_id is not None and not args.engine_id.strip():
+        raise ConfigError("--engine-id must not be empty")
     return EmulatorSettings(
         model=args.model,
         preset=args.preset,
@@ -94,6 +132,12 @@ def settings_from_args(args: argparse.Namespace) -> EmulatorSettings:
         max_model_len=args.max_model_len,
         kv_capacity_blocks=args.kv_blocks,
         priority_groups=args.priority_groups,
+        role=args.role,
+        kv_bandwidth_gbps=args.kv_bandwidth,
+        kv_lease_s=args.kv_lease,
+        engine_id=args.engine_id,
+        host=args.host,
+        port=args.port or None,
     )
 
 
@@ -120,12 +164,18 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     settings = settings_from_args(args)
-    app = create_emulator_app(settings)
+    settings.perf_model()  # fail on bad settings before taking the port
     sock = bind(args.host, args.port)
     port = sock.getsockname()[1]
+    settings = dataclasses.replace(settings, port=port)  # --port 0: the one bound
+    try:
+        app = create_emulator_app(settings)
+    except BaseException:
+        sock.close()
+        raise
     print(
         f"kvgate emulate: serving {settings.model!r} on http://{args.host}:{port} "
-        f"(preset {settings.preset}, time scale {settings.time_scale})",
+        f"(preset {settings.preset}, time scale {settings.time_scale}, role {settings.role})",
         file=sys.stderr,
         flush=True,
     )

@@ -1,7 +1,8 @@
 """The engine emulator: the simulator's EngineCore in real time behind vLLM's HTTP API.
 
 ``kvgate emulate`` serves one emulated engine; tests and demos start fleets of
-them to exercise the gateway without GPUs.
+them to exercise the gateway without GPUs. With ``--role prefill|decode`` an
+engine plays one side of vLLM's NIXL P/D protocol (:mod:`gateway.emulator.pd`).
 """
 
 from gateway.emulator.driver import EngineDriver, GenerationHandle, TokenDelta

@@ -13,7 +13,9 @@ nor shrinks the modelled step times. When the loop cannot keep up for longer
 
 Handles (:mod:`gateway.emulator.handle`) never block the driver. The core
 runs with ``max_decode_run=1``: one step per token, so new requests join the
-batch at the next step boundary.
+batch at the next step boundary. For P/D, a request submitted with ``pin_id``
+keeps its prompt KV pinned in :attr:`EngineDriver.pins` when it finishes, and
+one with ``remote_tokens`` loads that much of its prompt instead of computing it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from gateway.emulator.handle import (
     RequestRejectedError,
     TokenDelta,
 )
+from gateway.emulator.kvpins import DEFAULT_LEASE, KvPins
 from gateway.emulator.tokenizer import natural_length, prompt_digest
 from gateway.perfmodel.engine import EngineCore, EngineRequest, StepOutcome
 from gateway.perfmodel.model import PerfModel
@@ -73,6 +76,7 @@ class EngineDriver:
         seed: int = 0,
         observer: DriverObserver | None = None,
         priority_groups: bool = False,
+        kv_lease: float = DEFAULT_LEASE,
     ) -> None:
         if not time_scale > 0:
             raise ValueError(f"time_scale must be positive, got {time_scale}")
@@ -81,10 +85,12 @@ class EngineDriver:
         self.time_scale = time_scale
         self.seed = seed
         self.observer = observer
+        self.pins = KvPins(self.core.pool, model.block_size, lease=kv_lease)
         self._handles: dict[str, GenerationHandle] = {}
         self._next_id = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._sweeper: asyncio.Task[None] | None = None
         self._t0 = 0.0
         self._last_arrival = 0.0
         self.error: str | None = None
@@ -97,14 +103,17 @@ class EngineDriver:
         self._t0 = asyncio.get_running_loop().time()
         self.error = None
         self._task = asyncio.create_task(self._run(), name=f"engine-driver-{self.core.id}")
+        self._sweeper = asyncio.create_task(self.pins.run(), name=f"kv-pins-{self.core.id}")
 
     async def stop(self) -> None:
         """Cancel the background task and end every request still in flight."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        for task in (self._task, self._sweeper):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._sweeper = None
+        self.pins.clear()
         for handle in list(self._handles.values()):
             handle.fail("the engine is shutting down")
         self._handles.clear()
@@ -122,6 +131,11 @@ class EngineDriver:
     def now(self) -> float:
         """Virtual seconds since :meth:`start`."""
         return (asyncio.get_running_loop().time() - self._t0) / self.time_scale
+
+    async def sleep_until(self, when: float) -> None:
+        """Sleep until virtual time ``when``."""
+        delay = self._t0 + when * self.time_scale - asyncio.get_running_loop().time()
+        await asyncio.sleep(max(0.0, delay))
 
     # -- requests --------------------------------------------------------------
     def check(self, prompt_tokens: int, max_tokens: int) -> None:
@@ -141,10 +155,10 @@ class EngineDriver:
                 param="max_tokens",
             )
 
-    def submit(
+    def validate(
         self, token_ids: Sequence[int], *, max_tokens: int, ignore_eos: bool = False
-    ) -> GenerationHandle:
-        """Queue a generation of at most ``max_tokens`` tokens for ``token_ids``."""
+    ) -> tuple[int, int, str]:
+        """Check a request as :meth:`submit` does; its (digest, output tokens, finish reason)."""
         if self.error is not None or self._task is None:
             raise EngineDeadError(self.error or "the engine is not running")
         if not token_ids:
@@ -163,16 +177,40 @@ class EngineDriver:
         why = self.core.admissible(len(token_ids), output)
         if why is not None:
             raise RequestRejectedError(f"The request cannot be served: {why}.")
+        return digest, output, reason
+
+    def submit(
+        self,
+        token_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        ignore_eos: bool = False,
+        remote_tokens: int = 0,
+        arrival: float | None = None,
+        pin_id: str | None = None,
+    ) -> GenerationHandle:
+        """Queue a generation of at most ``max_tokens`` tokens for ``token_ids``.
+
+        ``remote_tokens`` of the prompt arrive from a prefill engine (whole blocks
+        are loaded); ``arrival`` (virtual, not later than now) backdates the request,
+        e.g. to before its KV transfer; ``pin_id`` pins its prompt KV when it ends.
+        """
+        digest, output, reason = self.validate(
+            token_ids, max_tokens=max_tokens, ignore_eos=ignore_eos
+        )
         self._next_id += 1
+        now = self.now()
         req = EngineRequest(
             id=f"req-{self._next_id}",
             prompt_tokens=len(token_ids),
             block_hashes=hashes_from_tokens(token_ids, self.model.block_size),
             output_tokens=output,
-            arrival=self.now(),
+            arrival=now if arrival is None else min(arrival, now),
+            remote_tokens=max(0, remote_tokens),
         )
-        self._last_arrival = req.arrival
+        self._last_arrival = now
         handle = GenerationHandle(req, digest=digest, max_tokens=max_tokens, finish_reason=reason)
+        handle.pin_id = pin_id
         req.payload = handle
         self.core.submit(req)
         self._handles[req.id] = handle
@@ -267,6 +305,13 @@ class EngineDriver:
             handle = handles.pop(req.id, None)
             if handle is None:
                 continue
+            if handle.pin_id is not None:  # before finish: readers find the pin
+                self.pins.pin(
+                    handle.pin_id,
+                    req.block_hashes,
+                    prompt_tokens=req.prompt_tokens,
+                    cached_tokens=req.cached_tokens or 0,
+                )
             handle.finish(handle.target_reason)
             if observer is not None:
                 observer.on_finished(handle, handle.target_reason, end)

@@ -1,8 +1,14 @@
-"""``/v1/completions`` and ``/v1/chat/completions``: JSON or SSE, aborted on disconnect."""
+"""``/v1/completions`` and ``/v1/chat/completions``: JSON or SSE, aborted on disconnect.
+
+P/D legs (:mod:`gateway.emulator.pd`): a prefill leg runs with ``max_tokens=1``
+and answers ``kv_transfer_params`` (on the chunk with ``finish_reason`` when
+streamed); a decode leg pulls its prompt KV first, then computes the rest.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -10,7 +16,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from gateway.core.errors import KvgateError
 from gateway.emulator.driver import EngineDeadError, EngineDriver, GenerationHandle
+from gateway.emulator.pd import (
+    DecodeLeg,
+    KvEndpoint,
+    Leg,
+    PrefillLeg,
+    parse_leg,
+    prefill_params,
+)
 from gateway.emulator.protocol import (
     SSE_DONE,
     ApiError,
@@ -58,6 +73,7 @@ async def _events(
     *,
     include_usage: bool,
     continuous: bool,
+    endpoint: KvEndpoint | None = None,
 ) -> AsyncIterator[str]:
     role_sent = shape.kind != "chat"
     try:
@@ -69,6 +85,8 @@ async def _events(
                 role_sent = True
             text = state.text(handle, delta.start, delta.count)
             chunk = shape.chunk(text, delta.finish_reason)
+            if delta.finish_reason is not None and endpoint is not None:
+                chunk["kv_transfer_params"] = _kv_params(state, endpoint, handle)
             if continuous:
                 done = delta.start + delta.count
                 chunk["usage"] = usage(handle.prompt_tokens, done, handle.cached_tokens)
@@ -79,6 +97,47 @@ async def _events(
     except EngineDeadError as exc:
         yield sse(error_body(exc))
     yield SSE_DONE
+
+
+def _kv_params(
+    state: EmulatorState, endpoint: KvEndpoint | None, handle: GenerationHandle
+) -> dict[str, Any] | None:
+    """A finished prefill leg's ``kv_transfer_params`` (None when nothing is pinned)."""
+    pin = None if handle.pin_id is None else state.driver.pins.get(handle.pin_id)
+    if pin is None or endpoint is None:
+        return None
+    return prefill_params(pin, endpoint)
+
+
+async def _submit(
+    request: Request,
+    state: EmulatorState,
+    leg: Leg | None,
+    *,
+    shape: ResponseShape,
+    token_ids: list[int],
+    max_tokens: int,
+    body: CompletionRequest | ChatRequest,
+) -> tuple[GenerationHandle, KvEndpoint | None]:
+    """Queue the generation; a decode leg pulls its KV first, a prefill leg pins it after."""
+    remote, arrival, pin_id, endpoint = 0, None, None, None
+    if isinstance(leg, DecodeLeg):
+        arrival = state.driver.now()
+        remote = await state.kv.pull(leg, token_ids)
+    elif isinstance(leg, PrefillLeg):
+        pin_id = f"{shape.id}-{uuid.uuid4().hex[:8]}"  # like vLLM's internal request id
+        endpoint = KvEndpoint(state.engine_id, *state.kv_address(request))
+    handle = state.driver.submit(
+        token_ids,
+        max_tokens=max_tokens,
+        ignore_eos=body.ignore_eos,
+        remote_tokens=remote,
+        arrival=arrival,
+        pin_id=pin_id,
+    )
+    if isinstance(leg, DecodeLeg):
+        handle.reported_cached = leg.cached_tokens
+    return handle, endpoint
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -95,17 +154,30 @@ async def _respond(
     max_tokens: int,
     body: CompletionRequest | ChatRequest,
 ) -> Response:
+    leg: Leg | None = parse_leg(body.kv_transfer_params, state.settings.role)
     options = body.stream_options
-    if options is not None and not body.stream:
-        raise ApiError("Stream options can only be defined when `stream=True`.", param="stream")
-    if body.n != 1:
-        raise ApiError(f"The emulator supports n=1 only, got n={body.n}.", param="n")
     driver = state.driver
-    handle = driver.submit(token_ids, max_tokens=max_tokens, ignore_eos=body.ignore_eos)
+    try:
+        if options is not None and not body.stream:
+            raise ApiError("Stream options can only be defined when `stream=True`.", param="stream")
+        if body.n != 1:
+            raise ApiError(f"The emulator supports n=1 only, got n={body.n}.", param="n")
+        if isinstance(leg, PrefillLeg):
+            max_tokens = 1  # the prefill leg of a P/D pair only computes the prompt
+        driver.validate(token_ids, max_tokens=max_tokens, ignore_eos=body.ignore_eos)
+    except KvgateError:
+        if isinstance(leg, DecodeLeg):  # vLLM frees the prefill engine's blocks then too
+            state.kv.notify(leg)
+        raise
+    handle, endpoint = await _submit(
+        request, state, leg, shape=shape, token_ids=token_ids, max_tokens=max_tokens, body=body
+    )
     if body.stream:
         continuous = bool(options and options.continuous_usage_stats)
         include = continuous or bool(options and options.include_usage)
-        events = _events(state, handle, shape, include_usage=include, continuous=continuous)
+        events = _events(
+            state, handle, shape, include_usage=include, continuous=continuous, endpoint=endpoint
+        )
         return _GenerationStream(events, driver, handle.id)
     waiter = asyncio.ensure_future(handle.wait())
     listener = asyncio.ensure_future(_until_disconnect(request))
@@ -121,7 +193,9 @@ async def _respond(
         await asyncio.wait({waiter, listener})
     text = state.text(handle, 0, handle.produced)
     block = usage(handle.prompt_tokens, handle.produced, handle.cached_tokens)
-    return JSONResponse(shape.final(text, reason, block))
+    final = shape.final(text, reason, block)
+    final["kv_transfer_params"] = _kv_params(state, endpoint, handle)
+    return JSONResponse(final)
 
 
 def prompt_ids(state: EmulatorState, prompt: Any) -> list[int]:

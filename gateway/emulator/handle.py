@@ -53,6 +53,10 @@ class GenerationHandle:
         self.finish_reason: str | None = None
         self.last_token_time: float | None = None
         self.scheduled = False
+        self.pin_id: str | None = None
+        """P/D prefill leg: the id its prompt KV is pinned under when it ends."""
+        self.reported_cached: int | None = None
+        """P/D decode leg: the prefill engine's ``remote_prefill_cached_tokens``."""
         self._delivered = 0
         self._error: str | None = None
         self._event = asyncio.Event()
@@ -68,9 +72,18 @@ class GenerationHandle:
         return self.req.prompt_tokens
 
     @property
-    def cached_tokens(self) -> int:
-        """Prompt tokens served from the prefix cache at first scheduling."""
+    def local_hits(self) -> int:
+        """Prompt tokens served from the local prefix cache at first scheduling."""
         return self.req.cached_tokens or 0
+
+    @property
+    def cached_tokens(self) -> int:
+        """``usage.prompt_tokens_details.cached_tokens``, as vLLM reports it: the local
+        hits plus the KV loaded from a prefill engine, unless that engine reported its
+        own hits (``remote_prefill_cached_tokens``, vLLM >= 0.31)."""
+        if self.reported_cached is not None:
+            return min(max(self.reported_cached, 0), self.req.prompt_tokens)
+        return self.local_hits + self.req.external_tokens
 
     @property
     def done(self) -> bool:

@@ -5,12 +5,13 @@ Names, types, label sets, HELP texts and buckets follow a real vLLM 0.3x
 ``vllm:cache_config_info`` has ``engine`` and the cache fields). Gauges are
 read from the :class:`EngineCore` at scrape time; counters and histograms are
 fed by the driver's events. Latencies are in the engine's *virtual* seconds,
-which equal wall seconds at ``time_scale=1``.
+which equal wall seconds at ``time_scale=1``. Decode legs of P/D requests
+waiting for their KV transfer count as waiting with reason ``deferred``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -46,15 +47,17 @@ def token_buckets(max_value: int) -> list[float]:
 class _EngineState(Collector):
     """Gauges and the preemption counter, read from the engine at scrape time."""
 
-    def __init__(self, core: EngineCore, labels: list[str]) -> None:
+    def __init__(self, core: EngineCore, labels: list[str], deferred: Callable[[], int]) -> None:
         self.core = core
         self.labels = labels
+        self.deferred = deferred
 
     def collect(self) -> Iterable[Metric]:
         core, labels, names = self.core, self.labels, list(_LABELS)
+        deferred = self.deferred()
         for name, doc, value in (
             ("running", "Number of requests in model execution batches.", core.num_running),
-            ("waiting", "Number of requests waiting to be processed.", core.num_waiting),
+            ("waiting", "Number of requests waiting to be processed.", core.num_waiting + deferred),
         ):
             g = GaugeMetricFamily(f"vllm:num_requests_{name}", doc, labels=names)
             g.add_metric(labels, value)
@@ -67,7 +70,7 @@ class _EngineState(Collector):
             labels=[*names, "reason"],
         )
         g.add_metric([*labels, "capacity"], core.num_waiting)
-        g.add_metric([*labels, "deferred"], 0)
+        g.add_metric([*labels, "deferred"], deferred)
         yield g
         g = GaugeMetricFamily(
             "vllm:engine_sleep_state",
@@ -104,10 +107,11 @@ class EmulatorMetrics:
         model_name: str,
         engine: str,
         cache_info: dict[str, str],
+        deferred: Callable[[], int] = lambda: 0,
     ) -> None:
         lv = [model_name, engine]
         r = registry
-        r.register(_EngineState(core, lv))
+        r.register(_EngineState(core, lv, deferred))
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, _LABELS, registry=r).labels(*lv)
@@ -123,6 +127,16 @@ class EmulatorMetrics:
         self.hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         )
+        self.ext_queries = counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, "
+            "in terms of number of queried tokens.",
+        )
+        self.ext_hits = counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, "
+            "in terms of number of cached tokens.",
+        )
         self.prompt = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         by_source = Counter(
             "vllm:prompt_tokens_by_source",
@@ -132,7 +146,7 @@ class EmulatorMetrics:
         )
         self.computed = by_source.labels(*lv, "local_compute")
         self.cache_hit = by_source.labels(*lv, "local_cache_hit")
-        by_source.labels(*lv, "external_kv_transfer")
+        self.external = by_source.labels(*lv, "external_kv_transfer")
         self.cached = counter(
             "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
         )
@@ -217,7 +231,10 @@ class EmulatorMetrics:
     def on_scheduled(self, handle: GenerationHandle) -> None:
         req = handle.req
         self.queries.inc(req.prompt_tokens)
-        self.hits.inc(handle.cached_tokens)
+        self.hits.inc(handle.local_hits)
+        if req.remote_tokens > 0:
+            self.ext_queries.inc(req.prompt_tokens)
+            self.ext_hits.inc(req.external_tokens)
         if req.first_scheduled is not None:
             self.queue.observe(max(0.0, req.first_scheduled - req.arrival))
 
@@ -230,12 +247,14 @@ class EmulatorMetrics:
         self.generation.inc(count)
         req = handle.req
         if gap is None:  # the first token: the prompt is done
-            cached = handle.cached_tokens
+            local, external = handle.local_hits, req.external_tokens
+            computed = req.prompt_tokens - local - external
             self.prompt.inc(req.prompt_tokens)
-            self.computed.inc(req.prompt_tokens - cached)
-            self.cache_hit.inc(cached)
-            self.cached.inc(cached)
-            self.kv_computed.observe(req.prompt_tokens - cached)
+            self.computed.inc(computed)
+            self.cache_hit.inc(local)
+            self.external.inc(external)
+            self.cached.inc(local + external)
+            self.kv_computed.observe(computed)
             if req.first_token_time is not None:
                 self.ttft.observe(max(0.0, req.first_token_time - req.arrival))
         else:

@@ -66,6 +66,8 @@ class _Generate(_Lenient):
     n: int = 1
     ignore_eos: bool = False
     request_id: str | None = None
+    kv_transfer_params: Any = None
+    """P/D (vLLM NIXL): checked by :func:`gateway.emulator.pd.parse_leg`."""
 
 
 class CompletionRequest(_Generate):

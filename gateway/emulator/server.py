@@ -8,11 +8,14 @@ fake tokenizer and a Prometheus registry owned by the app. Routes follow vLLM
 ``/detokenize``, ``/load``, ``/version`` and ``/metrics``. Usage always carries
 ``prompt_tokens_details.cached_tokens`` (a real vLLM needs
 ``--enable-prompt-tokens-details`` for that). ``/load`` counts requests in
-flight (vLLM does with ``--enable-server-load-tracking``).
+flight (vLLM does with ``--enable-server-load-tracking``), KV pulls included.
+``POST /kvgate/kv_release`` is kvgate's own: decode engines free the prefill
+KV they read there (NIXL does that over its side channel).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -23,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.core.errors import KvgateError
 from gateway.emulator import generate
+from gateway.emulator.pd import RELEASE_PATH, release_request
 from gateway.emulator.protocol import (
     ApiError,
     DetokenizeRequest,
@@ -101,7 +105,20 @@ async def detokenize(request: Request, state: StateDep) -> dict[str, Any]:
 
 @router.get("/load")
 async def load(state: StateDep) -> dict[str, int]:
-    return {"server_load": state.driver.in_flight}
+    return {"server_load": state.driver.in_flight + state.kv.in_flight}
+
+
+@router.post(RELEASE_PATH)
+async def kv_release(request: Request, state: StateDep) -> dict[str, bool]:
+    """A decode engine read the KV it pulled for ``remote_request_id``: free it."""
+    try:
+        raw = json.loads(await request.body())
+    except ValueError as exc:
+        raise ApiError(f"Invalid JSON body: {exc}") from None
+    pin_id, engine_id = release_request(raw)
+    if engine_id is not None and engine_id != state.engine_id:
+        return {"released": False}
+    return {"released": state.kv.release(pin_id)}
 
 
 @router.get("/version")
@@ -133,6 +150,7 @@ def create_emulator_app(settings: EmulatorSettings | None = None) -> FastAPI:
         try:
             yield
         finally:
+            await state.kv.close()
             await state.driver.stop()
 
     app = FastAPI(title="kvgate engine emulator", version=VERSION, lifespan=lifespan)

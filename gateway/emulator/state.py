@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import socket
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -11,7 +13,10 @@ from prometheus_client import CollectorRegistry
 
 from gateway.core.errors import ConfigError
 from gateway.emulator.driver import EngineDriver, GenerationHandle
+from gateway.emulator.kvpins import DEFAULT_LEASE
+from gateway.emulator.kvtransfer import KvTransfer, TransferMetrics
 from gateway.emulator.metrics import EmulatorMetrics
+from gateway.emulator.pd import ROLES, Role
 from gateway.emulator.protocol import ApiError
 from gateway.emulator.tokenizer import FakeTokenizer, output_tokens
 from gateway.perfmodel.model import PerfModel
@@ -24,6 +29,12 @@ class EmulatorSettings:
 
     ``time_scale`` multiplies every engine step's duration (0.01 runs 100× faster
     than the modelled GPU); ``engine_index`` is the ``engine`` metrics label.
+    P/D (vLLM's NixlConnector): ``role`` is which legs the engine plays,
+    ``kv_bandwidth_gbps`` the KV link to other engines (GB/s, scaled like steps),
+    ``kv_lease_s`` how long unread prefill KV stays pinned (wall seconds), and
+    ``engine_id`` the NIXL engine id (default: derived from host, port and seed).
+    ``host``/``port`` are the address prefill replies advertise; without a port
+    (or with a wildcard host) the address the request came in on is used.
     """
 
     model: str = "kvgate-emulated"
@@ -34,6 +45,24 @@ class EmulatorSettings:
     max_model_len: int | None = None
     kv_capacity_blocks: int | None = None
     priority_groups: bool = False
+    role: Role = "both"
+    kv_bandwidth_gbps: float = 25.0
+    kv_lease_s: float = DEFAULT_LEASE
+    engine_id: str | None = None
+    host: str = "127.0.0.1"
+    port: int | None = None
+
+    def kv_engine_id(self) -> str:
+        """The engine id prefill replies name: ``engine_id``, else a uuid derived from
+        host, port and seed (random when the port is not known)."""
+        if self.engine_id:
+            return self.engine_id
+        if self.port is None:
+            return str(uuid.uuid4())
+        host = socket.gethostname() if self.host in _WILDCARDS else self.host
+        return str(
+            uuid.uuid5(uuid.NAMESPACE_URL, f"kvgate-emulate://{host}:{self.port}/{self.seed}")
+        )
 
     def perf_model(self) -> PerfModel:
         """The preset with overrides applied; raises ConfigError on bad values."""
@@ -41,6 +70,11 @@ class EmulatorSettings:
             raise ConfigError(f"time scale must be positive, got {self.time_scale}")
         if not self.model:
             raise ConfigError("the model name must not be empty")
+        if self.role not in ROLES:
+            raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        for name in ("kv_bandwidth_gbps", "kv_lease_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         changes: dict[str, int] = {}
         for name in ("max_model_len", "kv_capacity_blocks"):
             value = getattr(self, name)
@@ -51,6 +85,9 @@ class EmulatorSettings:
         return load_preset(self.preset).with_overrides(**changes)
 
 
+_WILDCARDS = frozenset({"", "0.0.0.0", "::"})
+
+
 @dataclass(slots=True)
 class EmulatorState:
     """Everything the routes use: settings, engine driver, tokenizer, metrics registry."""
@@ -59,6 +96,8 @@ class EmulatorState:
     perf: PerfModel
     driver: EngineDriver
     registry: CollectorRegistry
+    kv: KvTransfer
+    engine_id: str
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -72,6 +111,18 @@ class EmulatorState:
         ids = output_tokens(handle.digest, start, count, self.driver.seed)
         return self.tokenizer.decode(ids)
 
+    def kv_address(self, request: Request) -> tuple[str, int]:
+        """(host, port) a decode engine reaches this engine at."""
+        host, port = self.settings.host, self.settings.port
+        if host in _WILDCARDS:
+            host = request.url.hostname or "localhost"
+        if port is None:
+            server = request.scope.get("server")
+            port = server[1] if server and server[1] else request.url.port
+            if port is None:
+                port = 443 if request.url.scheme == "https" else 80
+        return host, port
+
 
 def build_state(settings: EmulatorSettings, perf: PerfModel) -> EmulatorState:
     """A fresh engine driver with its metrics on a new registry (not started)."""
@@ -82,6 +133,7 @@ def build_state(settings: EmulatorSettings, perf: PerfModel) -> EmulatorState:
         time_scale=settings.time_scale,
         seed=settings.seed,
         priority_groups=settings.priority_groups,
+        kv_lease=settings.kv_lease_s,
     )
     tokens = perf.kv_capacity_blocks * perf.block_size
     cache_info = {
@@ -98,14 +150,22 @@ def build_state(settings: EmulatorSettings, perf: PerfModel) -> EmulatorState:
         "prefix_caching_hash_algo": "xxhash",
         "sliding_window": "None",
     }
+    engine_id = settings.kv_engine_id()
+    kv_metrics = TransferMetrics(
+        registry, driver.pins, model_name=settings.model, engine=settings.engine_index
+    )
+    kv = KvTransfer(
+        driver, kv_metrics, engine_id=engine_id, bandwidth_gbps=settings.kv_bandwidth_gbps
+    )
     driver.observer = EmulatorMetrics(
         registry,
         driver.core,
         model_name=settings.model,
         engine=settings.engine_index,
         cache_info=cache_info,
+        deferred=lambda: kv.in_flight,
     )
-    return EmulatorState(settings, perf, driver, registry)
+    return EmulatorState(settings, perf, driver, registry, kv, engine_id)
 
 
 def get_state(request: Request) -> EmulatorState:

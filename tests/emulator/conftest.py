@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from typing import Any
 
 import httpx
 import uvicorn
@@ -65,3 +67,35 @@ def metrics_of(text: str) -> dict[str, float]:
             key = s.name + "".join(f"|{k}={v}" for k, v in sorted(labels.items()))
             out[key] = s.value
     return out
+
+
+# -- P/D helpers ---------------------------------------------------------------------
+
+TO_PREFILL: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+"""The prefill leg's ``kv_transfer_params``, as vLLM's toy P/D proxy sends it."""
+
+
+async def prefill_leg(client: httpx.AsyncClient, prompt: str) -> dict[str, Any]:
+    """Send ``prompt`` as the prefill leg of a P/D pair; the JSON reply."""
+    r = await client.post(
+        "/v1/completions",
+        json={"prompt": prompt, "max_tokens": 1, "kv_transfer_params": TO_PREFILL},
+    )
+    assert r.status_code == 200, r.text
+    body: dict[str, Any] = r.json()
+    return body
+
+
+async def wait_for(check: Callable[[], bool], timeout: float = 3.0) -> None:
+    """Poll ``check`` until it holds (fails the test after ``timeout`` seconds)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
