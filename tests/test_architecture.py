@@ -28,6 +28,7 @@ RANK = {
     "sim": 3,
     "cluster": 3,
     "emulator": 3,
+    "calibrate": 3,
     "proxy": 4,
     "cli": 5,
 }

@@ -44,7 +44,8 @@ class RouterQueues:
     def __init__(self, *, max_total: int = 10_000, max_per_engine: int = 2_000) -> None:
         self.max_total = max_total
         self.max_per_engine = max_per_engine
-        self._heaps: dict[EngineId, list[tuple[int, int, QueuedRequest]]] = {}
+        self._heaps: dict[EngineId, list[tuple[int, int, int, QueuedRequest]]] = {}
+        self._entries = 0  # unique per heap entry: a moved request keeps its seq
         self._by_id: dict[str, QueuedRequest] = {}
         self._count: dict[EngineId, int] = {}
         self._tokens: dict[EngineId, int] = {}
@@ -91,9 +92,9 @@ class RouterQueues:
 
     def peek(self, engine: EngineId) -> QueuedRequest | None:
         heap = self._heaps.get(engine)
-        while heap and not heap[0][2].live:
+        while heap and not heap[0][3].live:
             heapq.heappop(heap)
-        return heap[0][2] if heap else None
+        return heap[0][3] if heap else None
 
     def pop(self, engine: EngineId) -> QueuedRequest | None:
         """The next request for ``engine``: longest hit first, then oldest."""
@@ -130,16 +131,20 @@ class RouterQueues:
     def items(self, engine: EngineId) -> Iterator[QueuedRequest]:
         """``engine``'s held requests in dispatch order (a snapshot)."""
         heap = self._heaps.get(engine, [])
-        return iter(sorted((x[2] for x in heap if x[2].live), key=lambda q: (-q.hit_tokens, q.seq)))
+        return iter(sorted((x[3] for x in heap if x[3].live), key=lambda q: (-q.hit_tokens, q.seq)))
 
     def oldest(self, engine: EngineId) -> float | None:
         """Enqueue time of ``engine``'s oldest held request."""
         heap = self._heaps.get(engine, [])
-        times = [x[2].enqueued for x in heap if x[2].live]
+        times = [x[3].enqueued for x in heap if x[3].live]
         return min(times) if times else None
 
     def _add(self, item: QueuedRequest) -> None:
-        heapq.heappush(self._heaps.setdefault(item.engine, []), (-item.hit_tokens, item.seq, item))
+        self._entries += 1
+        heapq.heappush(
+            self._heaps.setdefault(item.engine, []),
+            (-item.hit_tokens, item.seq, self._entries, item),
+        )
         self._by_id[item.req.id] = item
         self._count[item.engine] = self._count.get(item.engine, 0) + 1
         self._tokens[item.engine] = self._tokens.get(item.engine, 0) + item.uncached_tokens
@@ -151,5 +156,5 @@ class RouterQueues:
         self._tokens[item.engine] -= item.uncached_tokens
         heap = self._heaps.get(item.engine)
         if heap is not None and len(heap) > 2 * self._count[item.engine] + 16:
-            self._heaps[item.engine] = [x for x in heap if x[2].live]
+            self._heaps[item.engine] = [x for x in heap if x[3].live]
             heapq.heapify(self._heaps[item.engine])

@@ -145,3 +145,32 @@ def cluster(
         for p in [gw, *engines]:
             if p is not None:
                 p.stop()
+
+
+@contextlib.contextmanager
+def pd_cluster(
+    logdir: Path,
+    prefill: int = 1,
+    decode: int = 2,
+    *,
+    policy: str = "cost_model",
+    time_scale: float = 0.05,
+) -> Iterator[Cluster]:
+    """Prefill and decode emulators (NIXL-style roles) behind one gateway."""
+    engines: list[Proc] = []
+    gw: Proc | None = None
+    try:
+        for i in range(prefill + decode):
+            role = "prefill" if i < prefill else "decode"
+            engines.append(start_emulator(logdir, i, time_scale=time_scale, extra=["--role", role]))
+        port = free_port()
+        args = ["serve", "--port", str(port), "--policy", policy]
+        for i, e in enumerate(engines):
+            args += ["--prefill" if i < prefill else "--decode", e.url]
+        gw = start(args, "gateway", port, logdir)
+        wait_for(gw, "/ready")
+        yield Cluster(engines, gw)
+    finally:
+        for p in [gw, *engines]:
+            if p is not None:
+                p.stop()

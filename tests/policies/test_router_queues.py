@@ -248,3 +248,16 @@ def test_matches_a_reference_model(ops: list[tuple], max_total: int, max_per_eng
         mine = {rid: v for rid, v in ref.items() if v[0] == engine}
         assert drain(q, engine) == sorted(mine, key=lambda r: (-mine[r][1], mine[r][3]))
     assert len(q) == 0
+
+
+def test_a_request_moved_back_and_forth_keeps_the_heap_ordered() -> None:
+    """Regression: a moved request keeps its seq, so heap entries need their own tiebreak."""
+    queues = RouterQueues()
+    for i in range(3):
+        queues.push(
+            RequestInfo(id=f"r{i}", block_hashes=(), prompt_tokens=10, arrival=0.0), "a", 0, 0.0
+        )
+    queues.move("r1", "b", 0)
+    queues.move("r1", "a", 0)  # a dead and a live entry with the same (hit, seq) in "a"
+    assert [queues.pop("a").req.id for _ in range(3)] == ["r0", "r1", "r2"]  # type: ignore[union-attr]
+    assert queues.pop("a") is None
