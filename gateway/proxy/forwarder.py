@@ -16,13 +16,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import anyio
 from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
@@ -33,13 +31,12 @@ from gateway.observability import GatewayMetrics
 from gateway.policies.dispatcher import Dispatcher
 from gateway.policies.router_queues import QueuedRequest, QueueFullError
 from gateway.proxy.disagg import decode_body, run_prefill
-from gateway.proxy.errors import ApiError, error_body
+from gateway.proxy.errors import ApiError
+from gateway.proxy.relay import Relay, completion_tokens
 from gateway.proxy.upstream import Upstream, UpstreamConnectError, UpstreamError, UpstreamResponse
 
 log = logging.getLogger("kvgate.proxy")
 
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
-_TAIL_BYTES = 4096
 FORWARD_HEADERS = ("x-vllm-priority", "x-session-id")
 """Client headers passed on to the engine; nothing else of the client's is forwarded."""
 _JSON = (b"content-type", b"application/json")
@@ -295,13 +292,11 @@ class Forwarder:
         now = self.clock()
         self.registry.clear_pending(engine.id, ex.request_id)
         ok = resp.status < 400
-        output = _completion_tokens(content) if ok else None
+        output = completion_tokens(content) if ok else None
         if ok:
             self.dispatcher.first_token(ex.info, engine.id, now)
             self.metrics.ttft.labels(ex.route).observe(now - ex.started)
-        self._finish(
-            ex, engine, ok=ok, output=output, outcome="ok" if ok else "engine_client_error"
-        )
+        self.finish(ex, engine, ok=ok, output=output, outcome="ok" if ok else "engine_client_error")
         return Response(
             content=content,
             status_code=resp.status,
@@ -317,7 +312,7 @@ class Forwarder:
             except UpstreamError as exc:
                 raise _RetryableError(exc.reason, str(exc)) from None
             self.registry.clear_pending(engine.id, ex.request_id)
-            self._finish(ex, engine, ok=False, output=None, outcome="engine_client_error")
+            self.finish(ex, engine, ok=False, output=None, outcome="engine_client_error")
             return Response(
                 content=content,
                 status_code=resp.status,
@@ -337,7 +332,7 @@ class Forwarder:
         self.dispatcher.first_token(ex.info, engine.id, now)
         self.metrics.ttft.labels(ex.route).observe(now - ex.started)
         self.pump(engine.id)
-        relay = _Relay(self, ex, engine, resp=resp, first=first, chunks=chunks)
+        relay = Relay(self, ex, engine, resp=resp, first=first, chunks=chunks)
         return StreamingResponse(
             relay.run(),
             media_type="text/event-stream",
@@ -366,7 +361,7 @@ class Forwarder:
             extra={"request_id": ex.request_id, "engine": engine.id},
         )
 
-    def _finish(
+    def finish(
         self, ex: Exchange, engine: EngineState, *, ok: bool, output: int | None, outcome: str
     ) -> None:
         now = self.clock()
@@ -393,72 +388,6 @@ class Forwarder:
                     "duration_s": round(now - ex.started, 6),
                 },
             )
-
-
-class _Relay:
-    """Passes an upstream SSE stream through chunk by chunk, and cleans up once."""
-
-    def __init__(
-        self,
-        fwd: Forwarder,
-        ex: Exchange,
-        engine: EngineState,
-        *,
-        resp: UpstreamResponse,
-        first: bytes,
-        chunks: AsyncIterator[bytes],
-    ) -> None:
-        self.fwd = fwd
-        self.ex = ex
-        self.engine = engine
-        self.resp = resp
-        self.first = first
-        self.chunks = chunks
-        self.tail = b""
-        self.events = 0
-        self.outcome = "cancelled"
-        self.done = False
-
-    async def run(self) -> AsyncIterator[bytes]:
-        try:
-            yield self._seen(self.first)
-            async for chunk in self.chunks:
-                yield self._seen(chunk)
-            self.outcome = "ok"
-        except UpstreamError as exc:
-            self.outcome = "engine_error_mid_stream"
-            detail = f"engine {self.engine.id} failed mid-stream: {exc}"
-            self.fwd.metrics.engine_errors.labels(self.engine.id, "mid_stream").inc()
-            self.fwd.registry.mark_failure(self.engine.id, detail, self.fwd.clock())
-            log.warning(detail, extra={"request_id": self.ex.request_id})
-            event = json.dumps(error_body(502, detail, error_type="upstream_error"))
-            yield f"data: {event}\n\ndata: [DONE]\n\n".encode()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.close()
-
-    def _seen(self, chunk: bytes) -> bytes:
-        self.events += chunk.count(b"data: ")
-        self.tail = (self.tail + chunk)[-_TAIL_BYTES:]
-        return chunk
-
-    async def close(self) -> None:
-        if self.done:
-            return
-        self.done = True
-        await self.resp.close()
-        output = _completion_tokens(self.tail)
-        if output is None and self.events:
-            output = max(0, self.events - 2)  # minus the role chunk and [DONE]: an estimate
-        ok = self.outcome == "ok"
-        self.fwd._finish(
-            self.ex, self.engine, ok=ok, output=output if ok else None, outcome=self.outcome
-        )
-
-
-def _completion_tokens(content: bytes) -> int | None:
-    found = _COMPLETION_TOKENS.findall(content)
-    return int(found[-1]) if found else None
 
 
 def _content_type(resp: UpstreamResponse) -> str:
