@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -129,6 +137,19 @@ class Settings(BaseSettings):
         description="engine KV block size in tokens; unset: the engines' own (from "
         "vllm:cache_config_info), 16 until one reports",
     )
+    keying: Literal["text", "tokens"] = Field(
+        default="text",
+        description="routing key: text chunks, or the engine's own tokens hashed as vLLM does "
+        "(one /tokenize call per request; needed for kv_events)",
+    )
+    vllm_hash_seed: str | None = Field(
+        default=None, description="the engines' PYTHONHASHSEED, when they pin one (token keys)"
+    )
+    kv_events: bool = Field(
+        default=False,
+        description="subscribe to each engine's KV events (GET /kv_event_sources); needs keying "
+        "'tokens' so routing keys and engine block ids agree",
+    )
     chars_per_token: float = Field(
         default=4.0, gt=0, description="text chunk = block tokens x this"
     )
@@ -151,6 +172,14 @@ class Settings(BaseSettings):
     expose_engine_header: bool = Field(default=True, description="X-Kvgate-Engine on responses")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_requests: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.kv_events and self.keying != "tokens":
+            raise ValueError("kv_events needs keying: tokens (engine block ids are token hashes)")
+        if self.default_slo_class not in self.slo_classes:
+            raise ValueError(f"default_slo_class {self.default_slo_class!r} is not in slo_classes")
+        return self
 
 
 def load_settings(config_path: str | Path | None = None, **overrides: Any) -> Settings:

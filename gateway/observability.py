@@ -140,6 +140,25 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.keys = Counter(
+            "kvgate_routing_keys",
+            "Routing keys by kind: exact engine tokens, or text chunks "
+            "when tokens were not available",
+            ["mode"],
+            registry=r,
+        )
+        self.kv_event_batches = Counter(
+            "kvgate_kv_event_batches",
+            "KV event batches received, by engine",
+            ["engine"],
+            registry=r,
+        )
+        self.kv_event_resets = Counter(
+            "kvgate_kv_event_resets",
+            "Engine cache state resets (cleared, or events lost)",
+            ["engine"],
+            registry=r,
+        )
         self.engine_errors = Counter(
             "kvgate_engine_errors",
             "Upstream failures by engine and kind",

@@ -35,6 +35,8 @@ class EngineMetrics:
     preemptions: float = 0.0
     block_size: int | None = None
     num_gpu_blocks: int | None = None
+    hash_algo: str | None = None
+    prefix_caching: bool | None = None
 
 
 @dataclass(slots=True)

@@ -58,6 +58,10 @@ def parse_vllm_metrics(text: str) -> EngineMetrics:
             if name == "vllm:cache_config_info":
                 seen = True
                 for sample in family.samples:
+                    labels = sample.labels
+                    out.hash_algo = labels.get("prefix_caching_hash_algo") or out.hash_algo
+                    if "enable_prefix_caching" in labels:
+                        out.prefix_caching = labels["enable_prefix_caching"] == "True"
                     out.block_size = _int_label(sample.labels.get("block_size"), out.block_size)
                     out.num_gpu_blocks = _int_label(
                         sample.labels.get("num_gpu_blocks"), out.num_gpu_blocks

@@ -52,6 +52,7 @@ class Policy(Protocol):
     def on_engine_removed(self, engine: EngineId) -> None: ...
     def on_membership(self, engines: Sequence[EngineId]) -> None: ...
     def on_prefill_done(self, req: RequestInfo, engine: EngineId, now: float, ok: bool) -> None: ...
+    def on_cache_reset(self, engine: EngineId) -> None: ...
     def can_dispatch(
         self, engine: EngineView, pending_tokens: int, item: QueuedRequest
     ) -> bool: ...
@@ -95,6 +96,10 @@ class PolicyBase:
 
     def on_prefill_done(self, req: RequestInfo, engine: EngineId, now: float, ok: bool) -> None:
         """The prefill leg of a disaggregated request left ``engine``."""
+        return None
+
+    def on_cache_reset(self, engine: EngineId) -> None:
+        """``engine`` dropped its whole prefix cache, or its events were lost: forget it."""
         return None
 
     def can_dispatch(self, engine: EngineView, pending_tokens: int, item: QueuedRequest) -> bool:

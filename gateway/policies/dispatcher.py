@@ -216,6 +216,11 @@ class Dispatcher:
         if self.policy.wants_cache_events and (stored or removed):
             self.policy.on_cache_event(engine, stored, removed)
 
+    def cache_reset(self, engine: EngineId) -> None:
+        """``engine`` cleared its prefix cache (or its KV events were lost)."""
+        if self.policy.wants_cache_events:
+            self.policy.on_cache_reset(engine)
+
     def engine_removed(self, engine: EngineId) -> None:
         self.in_flight.pop(engine, None)
         self.policy.on_engine_removed(engine)

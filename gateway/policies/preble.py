@@ -161,7 +161,8 @@ class PreblePolicy(PolicyBase):
             if e.kv_capacity_blocks:
                 self.capacity[e.id] = e.kv_capacity_blocks
         match = self.tree.match(req.block_hashes)
-        cached = {e.id: match.per_engine.get(e.id, 0) * self.block_size for e in healthy}
+        self.block_size = req.block_size  # keys are in the request's blocks (16, or 32 on CPU)
+        cached = {e.id: match.per_engine.get(e.id, 0) * req.block_size for e in healthy}
         best = max(cached.values())
         if best > req.prompt_tokens - best or not cfg.explore:
             holders = [e for e in healthy if cached[e.id] == best]
@@ -283,6 +284,9 @@ class PreblePolicy(PolicyBase):
         self.exact.add(engine)
         if removed:
             self.tree.remove_blocks(engine, removed)
+
+    def on_cache_reset(self, engine: EngineId) -> None:
+        self.tree.remove_engine(engine)
 
     def on_engine_removed(self, engine: EngineId) -> None:
         self.tree.remove_engine(engine)

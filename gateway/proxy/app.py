@@ -12,7 +12,7 @@ import httpx
 from fastapi import FastAPI
 
 from gateway.cluster.monitor import EngineMonitor
-from gateway.cluster.registry import EngineRegistry
+from gateway.cluster.registry import EngineRegistry, EngineState
 from gateway.config import Settings
 from gateway.core.types import EngineRole
 from gateway.observability import GatewayMetrics
@@ -26,7 +26,9 @@ from gateway.proxy.deps import GatewayState
 from gateway.proxy.errors import install_handlers
 from gateway.proxy.fastpath import OpenAIFastPath
 from gateway.proxy.forwarder import Forwarder
+from gateway.proxy.kv_bridge import EventBridge
 from gateway.proxy.routing_key import RoutingKeyer
+from gateway.proxy.token_keys import TokenKeyer
 from gateway.proxy.upstream import HttpcoreUpstream, HttpxUpstream, Timeouts, Upstream
 
 log = logging.getLogger("kvgate")
@@ -131,13 +133,27 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             forwarder=forwarder,
             keyer=RoutingKeyer(settings.block_size or 16, settings.chars_per_token, settings.seed),
         )
+        state = app.state.gateway
+        if settings.keying == "tokens":
+            state.token_keyer = TokenKeyer(client, registry, seed=settings.vllm_hash_seed)
+        bridge = EventBridge(client, dispatcher, metrics) if settings.kv_events else None
         await monitor.check_all()
         pump = asyncio.create_task(forwarder.run_pump(0.05), name="kvgate-queue-pump")
         if settings.block_size is None:
-            adopt_block_size(app.state.gateway)
-            monitor.on_change = lambda _engine, healthy: (
-                adopt_block_size(app.state.gateway) if healthy else None
-            )
+            adopt_block_size(state)
+        if bridge is not None:
+            state.kv_events = bridge.subscriber
+            for engine in registry.all():
+                if engine.routable:
+                    await bridge.attach(engine)
+
+        def on_change(engine: EngineState, healthy: bool) -> None:
+            if healthy and settings.block_size is None:
+                adopt_block_size(state)
+            if bridge is not None:
+                bridge.on_health(engine, healthy)
+
+        monitor.on_change = on_change
         monitor.start()
         log.info("kvgate ready", extra={"policy": policy.name, "engines": len(registry)})
         try:
@@ -147,6 +163,8 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             with contextlib.suppress(asyncio.CancelledError):
                 await pump
             await monitor.stop()
+            if bridge is not None:
+                await bridge.aclose()
             await client.aclose()
             if transport is None:
                 await upstream.aclose()

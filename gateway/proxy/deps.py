@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import httpx
 from fastapi import Request
 
+from gateway.cluster.kv_events import KVEventSubscriber
 from gateway.cluster.monitor import EngineMonitor
 from gateway.cluster.registry import EngineRegistry
 from gateway.config import Settings
@@ -18,6 +19,7 @@ from gateway.policies.dispatcher import Dispatcher
 from gateway.proxy.errors import ApiError
 from gateway.proxy.forwarder import Forwarder
 from gateway.proxy.routing_key import RoutingKeyer
+from gateway.proxy.token_keys import TokenKeyer
 
 
 @dataclass(slots=True)
@@ -32,6 +34,8 @@ class GatewayState:
     monitor: EngineMonitor
     forwarder: Forwarder
     keyer: RoutingKeyer
+    token_keyer: TokenKeyer | None = None
+    kv_events: KVEventSubscriber | None = None
 
     def slo_for(self, name: str | None) -> SloClass:
         """The SLO class a request asked for (header ``x-kvgate-slo-class``), or the default."""

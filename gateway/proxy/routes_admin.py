@@ -127,5 +127,7 @@ async def remove_engine(request: Request, url: str) -> JSONResponse:
     if engine is None:
         raise ApiError(404, f"engine {url} is not registered", param="url")
     engine.retired = True
+    if state.kv_events is not None:
+        state.kv_events.stop_engine(engine.id)
     state.dispatcher.engine_removed(engine.id)
     return JSONResponse({"removed": engine.id})

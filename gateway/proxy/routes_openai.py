@@ -51,17 +51,19 @@ async def handle_openai(
     """Validate, key and forward one OpenAI request (shared by the fast path and FastAPI)."""
     route = ROUTES[path]
     body: dict[str, Any] = parse_json_object(raw)
-    if route == "chat":
-        chat = validate(ChatBody, body)
-        assert isinstance(chat, ChatBody)
-        hashes, tokens = state.keyer.chat_key(body["messages"], body.get("tools"))
-        parsed: CompletionBody | ChatBody = chat
-    else:
-        comp = validate(CompletionBody, body)
-        assert isinstance(comp, CompletionBody)
-        hashes, tokens = state.keyer.key(completion_prompt(comp.prompt))
-        parsed = comp
+    parsed = validate(ChatBody if route == "chat" else CompletionBody, body)
     model = resolve_model(state, parsed.model)
+    exact = None
+    if state.token_keyer is not None:
+        exact = await state.token_keyer.key(route, body, model, state.keyer.block_size)
+        state.metrics.keys.labels("tokens" if exact else "text_fallback").inc()
+    if exact is not None:
+        hashes, tokens = exact
+    elif isinstance(parsed, ChatBody):
+        hashes, tokens = state.keyer.chat_key(body["messages"], body.get("tools"))
+    else:
+        assert isinstance(parsed, CompletionBody)
+        hashes, tokens = state.keyer.key(completion_prompt(parsed.prompt))
     given = headers.get("x-request-id")
     rid = given if given and _REQUEST_ID.match(given) else uuid.uuid4().hex
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
