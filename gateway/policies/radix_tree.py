@@ -222,13 +222,16 @@ class RadixTree:
         Returns how many blocks the tree stopped attributing to the engine.
         """
         dropped = 0
+        # Group by node: one pass over each node's blocks however many of them were evicted.
+        groups: dict[int, tuple[Node, set[int]]] = {}
         for h in hashes:
             node = self._index.get(h)
-            held = 0 if node is None else node.engines.get(engine, 0)
-            if node is None or not held:
-                continue
-            k = node.blocks.index(h)
-            if k >= held:
+            if node is not None and node.engines.get(engine, 0):
+                groups.setdefault(id(node), (node, set()))[1].add(h)
+        for node, evicted in groups.values():
+            held = node.engines.get(engine, 0)
+            k = next((i for i, b in enumerate(node.blocks[:held]) if b in evicted), None)
+            if k is None:
                 continue
             if k == 0:
                 dropped += self._drop_engine_subtree(node, engine)
