@@ -29,6 +29,7 @@ RANK = {
     "cluster": 3,
     "emulator": 3,
     "calibrate": 3,
+    "bench": 3,
     "proxy": 4,
     "cli": 5,
 }

@@ -287,6 +287,7 @@ class PreblePolicy(PolicyBase):
 
     def on_cache_reset(self, engine: EngineId) -> None:
         self.tree.remove_engine(engine)
+        self.exact.discard(engine)  # modelled again until its events resume
 
     def on_engine_removed(self, engine: EngineId) -> None:
         self.tree.remove_engine(engine)

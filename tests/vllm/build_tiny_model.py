@@ -15,7 +15,9 @@ import random
 import sys
 from pathlib import Path
 
-WORDS = ["the", "a", "an", "router", "engine", "cache", "prefix", "block", "token", "request", "decode", "prefill", "batch", "queue", "latency", "memory", "model", "gateway", "policy", "load", "balance", "hit", "miss", "route", "serve", "stream", "chunk", "first", "second", "time", "system", "user", "assistant", "question", "answer", "tool", "document", "summary", "data", "kv", "vllm", "gpu", "cpu", "fast", "slow", "small", "large", "shared", "unique", "long", "short", "hot", "cold", "replica", "ring", "hash", "tree", "node", "leaf", "root", "window", "share", "spread", "pick", "choose", "send", "keep", "move", "free", "full"]
+WORDS = tuple(
+    ["the", "a", "an", "router", "engine", "cache", "prefix", "block", "token", "request", "decode", "prefill", "batch", "queue", "latency", "memory", "model", "gateway", "policy", "load", "balance", "hit", "miss", "route", "serve", "stream", "chunk", "first", "second", "time", "system", "user", "assistant", "question", "answer", "tool", "document", "summary", "data", "kv", "vllm", "gpu", "cpu", "fast", "slow", "small", "large", "shared", "unique", "long", "short", "hot", "cold", "replica", "ring", "hash", "tree", "node", "leaf", "root", "window", "share", "spread", "pick", "choose", "send", "keep", "move", "free", "full"]
+)
 SPECIAL = [
     "<|begin_of_text|>",
     "<|end_of_text|>",

@@ -1,0 +1,239 @@
+"""kvgate in front of real vLLM engines (CPU build, tiny model): the ``vllm`` tier."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import zmq
+from conftest import BLOCK, MODEL, Fleet, Gateway, start_gateway
+from openai import OpenAI
+
+from gateway.core.vllm_hash import block_ids
+
+pytestmark = pytest.mark.vllm
+
+SYSTEM = "You route requests to the engine that holds their prefix in its cache. " * 12
+
+
+@pytest.fixture(scope="module")
+def gateway(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    args = ["--policy", "cache_aware"]
+    for e in fleet.unified:
+        args += ["--engine", e.url]
+    gw = start_gateway(tmp_path_factory.mktemp("gw"), args)
+    try:
+        yield gw
+    finally:
+        gw.stop()
+
+
+def client(gw: Gateway) -> OpenAI:
+    return OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def test_chat_and_completions_stream_and_not(gateway: Gateway) -> None:
+    oa = client(gateway)
+    msgs = [{"role": "user", "content": "Say something about caches."}]
+    r = oa.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8)  # type: ignore[arg-type]
+    assert r.choices[0].message.content is not None and r.usage is not None
+    chunks = list(
+        oa.chat.completions.create(
+            model=MODEL,
+            messages=msgs,
+            max_tokens=8,
+            stream=True,  # type: ignore[arg-type]
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+    c = oa.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6)
+    assert c.choices[0].text is not None
+    pieces = list(
+        oa.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, stream=True)
+    )
+    assert sum(1 for p in pieces if p.choices and p.choices[0].text) >= 1
+
+
+def test_prefix_affinity_is_proven_by_the_engines_own_counters(
+    fleet: Fleet, gateway: Gateway
+) -> None:
+    oa = client(gateway)
+    before = {e.url: e.metric("vllm:prefix_cache_hits_total") for e in fleet.unified}
+    engines = []
+    for i in range(4):
+        raw = oa.chat.completions.with_raw_response.create(
+            model=MODEL,
+            max_tokens=2,
+            messages=[
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"question {i}"},
+            ],
+        )
+        engines.append(raw.headers["x-kvgate-engine"])
+    assert len(set(engines)) == 1
+    after = {e.url: e.metric("vllm:prefix_cache_hits_total") for e in fleet.unified}
+    chosen = engines[0]
+    other = next(u for u in after if u != chosen)
+    assert after[chosen] - before[chosen] >= 3 * 8 * BLOCK  # three repeats of >= 8 blocks
+    assert after[other] == before[other]
+
+
+def test_the_scraper_reads_real_metrics_and_cache_config(gateway: Gateway) -> None:
+    engines = httpx.get(gateway.url + "/admin/engines").json()["engines"]
+    for e in engines:
+        m = e["metrics"]
+        assert m is not None and m["block_size"] == BLOCK
+        assert m["num_gpu_blocks"] and m["num_gpu_blocks"] > 0
+        assert e["health"] == "healthy" and e["models"] == [MODEL]
+    text = httpx.get(gateway.url + "/metrics").text
+    assert "kvgate_engine_kv_cache_usage_ratio" in text
+
+
+def test_token_keys_equal_the_engines_kv_event_ids_bit_for_bit(fleet: Fleet) -> None:
+    engine = fleet.unified[0]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(f"tcp://127.0.0.1:{engine.events_port}")
+    time.sleep(0.5)  # let the subscription reach the publisher
+    prompt = f"unique prompt {time.time()} " + "tokens for hashing " * 40
+    tokens = httpx.post(engine.url + "/tokenize", json={"model": MODEL, "prompt": prompt}).json()[
+        "tokens"
+    ]
+    httpx.post(
+        engine.url + "/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": 1},
+        timeout=60,
+    )
+    stored: list[int] = []
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and len(stored) < len(tokens) // BLOCK:
+        if poller.poll(200):
+            _, _, payload = sock.recv_multipart()
+            for event in msgspec.msgpack.decode(payload)[1]:
+                if event.get("type") == "BlockStored":
+                    stored += event["block_hashes"]
+    sock.close(linger=0)
+    ctx.term()
+    mine = block_ids(tokens, BLOCK)
+    assert len(mine) == len(tokens) // BLOCK >= 8
+    assert list(mine) == stored[: len(mine)]
+
+
+def test_pd_through_nixl_is_proven_by_the_decode_engine(fleet: Fleet, tmp_path: Path) -> None:
+    gw = start_gateway(
+        tmp_path,
+        ["--policy", "round_robin", "--prefill", fleet.prefill.url, "--decode", fleet.decode.url],
+        env={"KVGATE_PD__MIN_UNCACHED_TOKENS": "0"},  # always disaggregate
+    )
+    try:
+        before = fleet.decode.metric(
+            "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+        )
+        oa = client(gw)
+        r = oa.completions.create(
+            model=MODEL,
+            prompt=SYSTEM + " and decode it elsewhere",
+            max_tokens=12,
+            extra_body={"ignore_eos": True},
+        )
+        assert r.usage is not None and r.usage.completion_tokens == 12
+        stream = oa.chat.completions.create(
+            model=MODEL,
+            max_tokens=6,
+            stream=True,
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}],
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        after = fleet.decode.metric(
+            "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+        )
+        prompt_tokens = r.usage.prompt_tokens
+        text = httpx.get(gw.url + "/metrics").text
+        pd_lines = [ln for ln in text.splitlines() if "pd_requests_total{" in ln]
+        assert after - before >= (prompt_tokens - 1) // BLOCK * BLOCK, pd_lines  # KV over NIXL
+        assert 'kvgate_pd_requests_total{mode="remote"} 2.0' in text
+    finally:
+        gw.stop()
+
+
+def test_kv_events_make_prebles_tree_exact(fleet: Fleet) -> None:
+    """In-process gateway (so the policy can be inspected) with token keys and KV events:
+    the blocks Preble's tree attributes to each engine are exactly the prompt blocks that
+    engine reported storing, as an independent subscriber saw them."""
+    import uuid
+
+    import zmq.asyncio
+
+    from gateway.config import load_settings
+    from gateway.proxy.app import create_app
+
+    settings = load_settings(
+        engines=[{"url": e.url} for e in fleet.unified],
+        policy={"name": "preble"},
+        keying="tokens",
+        kv_events=True,
+        log_requests=False,
+    )
+    app = create_app(settings)
+    tag = uuid.uuid4().hex  # fresh prompts: nothing of them is cached yet
+
+    async def scenario() -> tuple[dict[str, set[int]], dict[str, set[int]], int]:
+        ctx = zmq.asyncio.Context()
+        socks = {}
+        for e in fleet.unified:
+            sock = ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.connect(f"tcp://127.0.0.1:{e.events_port}")
+            socks[e.url] = sock
+        async with app.router.lifespan_context(app):
+            state = app.state.gateway
+            await asyncio.sleep(0.5)
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://gw", timeout=120
+            ) as gw:
+                for i in range(8):
+                    body = {
+                        "model": MODEL,
+                        "max_tokens": 2,
+                        "messages": [
+                            {"role": "system", "content": f"{tag} {i % 3} " + SYSTEM},
+                            {"role": "user", "content": f"q{i}"},
+                        ],
+                    }
+                    assert (await gw.post("/v1/chat/completions", json=body)).status_code == 200
+                await asyncio.sleep(1.5)  # let the last events arrive
+            live: dict[str, set[int]] = {u: set() for u in socks}
+            for url, sock in socks.items():
+                while await sock.poll(10):
+                    _, _, payload = await sock.recv_multipart()
+                    for event in msgspec.msgpack.decode(payload)[1]:
+                        if event.get("type") == "BlockStored":
+                            live[url].update(event["block_hashes"])
+                        elif event.get("type") == "BlockRemoved":
+                            live[url].difference_update(event["block_hashes"])
+                sock.close(linger=0)
+            tree = state.dispatcher.policy.tree
+            held: dict[str, set[int]] = {u: set() for u in socks}
+            for node in tree.nodes():
+                for url, n in node.engines.items():
+                    held[url].update(node.blocks[:n])
+            known = {b for node in tree.nodes() for b in node.blocks}
+            live = {u: {b for b in blocks if b in known} for u, blocks in live.items()}
+            batches = state.kv_events.batches
+        ctx.term()
+        return held, live, batches
+
+    held, live, batches = asyncio.run(scenario())
+    assert batches > 0
+    assert sum(len(b) for b in held.values()) >= 3 * 8  # three prompts of >= 8 blocks
+    assert held == live
