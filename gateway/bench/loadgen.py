@@ -33,15 +33,22 @@ class ReplayResult:
     error: str | None = None
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, req: ReplayRequest,
-               start: float) -> ReplayResult:
+async def _one(
+    client: httpx.AsyncClient, url: str, model: str, req: ReplayRequest, start: float
+) -> ReplayResult:
     out = ReplayResult(arrival=req.arrival)
     delay = start + req.arrival - time.perf_counter()
     if delay > 0:
         await asyncio.sleep(delay)
     t0 = time.perf_counter()
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_tokens,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.output_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as resp:
             out.engine = resp.headers.get("x-kvgate-engine")
@@ -63,8 +70,9 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, req: ReplayReque
     return out
 
 
-async def replay(url: str, model: str, requests: Sequence[ReplayRequest],
-                 *, timeout_s: float = 300.0) -> list[ReplayResult]:
+async def replay(
+    url: str, model: str, requests: Sequence[ReplayRequest], *, timeout_s: float = 300.0
+) -> list[ReplayResult]:
     """Send ``requests`` at their arrival times (seconds from now); wait for all."""
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:

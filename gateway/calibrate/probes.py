@@ -9,8 +9,11 @@ the time budget runs out) and each probe's samples are reduced to their median.
   extension every round: ``ctx = |P|`` cached tokens (as the engine reports
   them), ``extend = |extension|``, which separates ``c`` and ``d``.
 * **decode** — ``k`` concurrent streams of the same prompt size, ``ignore_eos``:
-  the median gap between tokens once every stream is decoding and before any
-  finishes is one decode step of batch ``k``.
+  in the window where every stream is decoding and none has finished, each
+  stream's elapsed time over tokens received is one decode step of batch ``k``
+  (median over streams). A slope over the window, not the gap between chunks:
+  a busy API server flushes several steps' tokens at once, and the gaps inside
+  such a burst are microseconds.
 
 The round trip of a request without a model step (``/tokenize``, else
 ``/v1/models``) is the HTTP floor, subtracted from every time to first token.
@@ -26,7 +29,6 @@ import string
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import pairwise
 from typing import Literal
 
 from gateway.calibrate.client import EngineClient, EngineFacts, StreamResult
@@ -282,18 +284,32 @@ class Runner:
         results = [t.result() for t in tasks]
         start = max(r.times[0] for r in results)
         end = min(r.times[-1] for r in results)
-        gaps: list[float] = []
-        for r in results:
-            for (t0, n0), (t1, n1) in pairwise(zip(r.times, r.tokens, strict=True)):
-                if t0 >= start and t1 <= end and n1 > n0:
-                    gaps.append((t1 - t0) / (n1 - n0))
-        if not gaps:
+        step = decode_step_seconds(results, start, end)
+        if step is None:
             return "no steady decode window (skipped)"
         mid = (start + end) / 2
         ctx = 0
         for r, p in zip(results, prompts, strict=True):
             got = max((c for t, c in zip(r.times, r.tokens, strict=True) if t <= mid), default=1)
             ctx += await self._prompt_tokens(r, p) + got - 1
-        ms = 1000.0 * statistics.median(gaps)
+        ms = 1000.0 * step
         self._decode.setdefault(probe, []).append(DecodeSample(k, ctx, ms))
-        return f"ITL {ms:.2f} ms ({len(gaps)} gaps, {ctx} context tokens)"
+        return f"ITL {ms:.2f} ms ({ctx} context tokens)"
+
+
+def decode_step_seconds(results: list[StreamResult], start: float, end: float) -> float | None:
+    """Median over streams of seconds per token inside ``[start, end]``; ``None`` if empty.
+
+    Each stream contributes (last - first chunk time) / (tokens between them)
+    over its chunks in the window, so tokens delivered in bursts still count
+    at the rate the engine produced them.
+    """
+    slopes: list[float] = []
+    for r in results:
+        inside = [(t, n) for t, n in zip(r.times, r.tokens, strict=True) if start <= t <= end]
+        if len(inside) < 2:
+            continue
+        (t0, n0), (t1, n1) = inside[0], inside[-1]
+        if n1 > n0 and t1 > t0:
+            slopes.append((t1 - t0) / (n1 - n0))
+    return statistics.median(slopes) if slopes else None

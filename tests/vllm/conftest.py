@@ -74,6 +74,15 @@ class Engine:
         return total
 
 
+def parse_cores(spec: str) -> set[int]:
+    """``"0"``, ``"0-3"`` or ``"0,2"`` as a set of CPU numbers (as VLLM_CPU_OMP_THREADS_BIND)."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def ensure_setup() -> None:
     if (VENV / ".kvgate-ready").exists() and (MODEL_DIR / ".kvgate-ready").exists():
         return
@@ -158,6 +167,10 @@ def start_engine(
             env=full_env,
             start_new_session=True,
         )
+    # Every process of the engine (API server, then the EngineCore and worker it spawns seconds
+    # later) on its own cores: vLLM's EngineCore and worker spin on their shared-memory queue for
+    # 1 s after each read, and on a 2-core machine that spinning otherwise starves other engines.
+    os.sched_setaffinity(proc.pid, parse_cores(cores))
     return Engine(name, f"http://127.0.0.1:{port}", proc, log, events, replay)
 
 
