@@ -63,7 +63,8 @@ class PolicyBase:
     """Base class with no-op hooks, so a stateless policy is only ``decide``."""
 
     name: ClassVar[str] = "base"
-    wants_cache_events: ClassVar[bool] = False
+    wants_cache_events: bool = False
+    """True when the policy wants the engines' KV cache events (``on_cache_event``)."""
     may_hold: bool = False
     """True when ``decide`` may return ``hold`` (drivers then watch for clients leaving)."""
     pd_native: ClassVar[bool] = False

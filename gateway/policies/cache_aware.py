@@ -36,6 +36,8 @@ class CacheAwareConfig:
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
     max_tree_blocks: int = 262_144
+    precise: bool = False
+    """Correct the approximate tree with the engines' KV events (stored, removed, cleared)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.cache_threshold <= 1.0:
@@ -49,6 +51,7 @@ class CacheAwarePolicy(PolicyBase):
 
     def __init__(self, ctx: PolicyContext, config: CacheAwareConfig | None = None) -> None:
         self.config = config or CacheAwareConfig()
+        self.wants_cache_events = self.config.precise
         self.index = PrefixIndex(self.config.max_tree_blocks)
 
     def decide(self, req: RequestInfo, view: ClusterView, now: float) -> Decision:
@@ -78,6 +81,18 @@ class CacheAwarePolicy(PolicyBase):
 
     def on_routed(self, req: RequestInfo, decision: Decision, now: float) -> None:
         self.index.insert(decision.engine, req.block_hashes)
+
+    def on_cache_event(
+        self, engine: EngineId, stored: Sequence[int], removed: Sequence[int]
+    ) -> None:
+        """Precise mode: blocks the engine stored are recorded, the ones it evicted dropped."""
+        if stored:
+            self.index.insert(engine, stored)
+        if removed:
+            self.index.remove(engine, removed)
+
+    def on_cache_reset(self, engine: EngineId) -> None:
+        self.index.remove_engine(engine)
 
     def on_engine_removed(self, engine: EngineId) -> None:
         self.index.remove_engine(engine)

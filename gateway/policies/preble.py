@@ -131,7 +131,7 @@ class _WindowLoad:
 
 class PreblePolicy(PolicyBase):
     name: ClassVar[str] = "preble"
-    wants_cache_events: ClassVar[bool] = True
+    wants_cache_events: bool = True
 
     def __init__(self, ctx: PolicyContext, config: PrebleConfig | None = None) -> None:
         self.config = config or PrebleConfig()

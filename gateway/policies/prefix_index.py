@@ -46,6 +46,11 @@ class PrefixIndex:
         lru = self._lru.get(engine)
         return 0 if lru is None else len(lru)
 
+    def blocks(self, engine: EngineId) -> frozenset[int]:
+        """The hashes recorded for ``engine``."""
+        lru = self._lru.get(engine)
+        return frozenset() if lru is None else frozenset(lru)
+
     @property
     def engines(self) -> tuple[EngineId, ...]:
         return tuple(self._bits)

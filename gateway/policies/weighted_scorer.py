@@ -19,6 +19,7 @@ producer README (facts only).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -35,6 +36,8 @@ class WeightedScorerConfig:
     queue_weight: float = 2.0
     kv_weight: float = 2.0
     lru_capacity_blocks: int = 0
+    precise: bool = False
+    """Correct the approximate index with the engines' KV events (llm-d's precise mode)."""
 
     def __post_init__(self) -> None:
         if min(self.prefix_weight, self.queue_weight, self.kv_weight) < 0:
@@ -48,6 +51,7 @@ class WeightedScorerPolicy(PolicyBase):
 
     def __init__(self, ctx: PolicyContext, config: WeightedScorerConfig | None = None) -> None:
         self.config = config or WeightedScorerConfig()
+        self.wants_cache_events = self.config.precise
         cap = self.config.lru_capacity_blocks
         self.index = PrefixIndex(cap if cap > 0 else 1 << 22)
         self._rng = ctx.rng(self.name)
@@ -82,8 +86,23 @@ class WeightedScorerPolicy(PolicyBase):
         )
 
     def on_routed(self, req: RequestInfo, decision: Decision, now: float) -> None:
-        cap = self.config.lru_capacity_blocks or self._capacity.get(decision.engine, 0)
-        self.index.insert(decision.engine, req.block_hashes, cap or _DEFAULT_LRU_BLOCKS)
+        self.index.insert(decision.engine, req.block_hashes, self._lru_blocks(decision.engine))
+
+    def _lru_blocks(self, engine: EngineId) -> int:
+        cap = self.config.lru_capacity_blocks or self._capacity.get(engine, 0)
+        return cap or _DEFAULT_LRU_BLOCKS
+
+    def on_cache_event(
+        self, engine: EngineId, stored: Sequence[int], removed: Sequence[int]
+    ) -> None:
+        """Precise mode: blocks the engine stored are recorded, the ones it evicted dropped."""
+        if stored:
+            self.index.insert(engine, stored, self._lru_blocks(engine))
+        if removed:
+            self.index.remove(engine, removed)
+
+    def on_cache_reset(self, engine: EngineId) -> None:
+        self.index.remove_engine(engine)
 
     def on_engine_removed(self, engine: EngineId) -> None:
         self.index.remove_engine(engine)

@@ -192,6 +192,9 @@ def wait_healthy(engines: list[Engine], timeout: float = START_TIMEOUT_S) -> Non
         time.sleep(1)
 
 
+DEV = {"VLLM_SERVER_DEV_MODE": "1"}
+
+
 @dataclass
 class Fleet:
     unified: list[Engine]
@@ -207,8 +210,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
     )
     engines = [
-        start_engine(logdir, "unified0", cores="0", extra=[], kv_events=True),
-        start_engine(logdir, "unified1", cores="1", extra=[], kv_events=True),
+        # Dev mode for /reset_prefix_cache (the KV-event reset test).
+        start_engine(logdir, "unified0", cores="0", extra=[], kv_events=True, env=DEV),
+        start_engine(logdir, "unified1", cores="1", extra=[], kv_events=True, env=DEV),
         start_engine(
             logdir,
             "prefill",

@@ -165,10 +165,35 @@ def test_pd_through_nixl_is_proven_by_the_decode_engine(fleet: Fleet, tmp_path: 
         gw.stop()
 
 
-def test_kv_events_make_prebles_tree_exact(fleet: Fleet) -> None:
+def held_blocks(policy: object, engines: list[str]) -> dict[str, set[int]]:
+    """The blocks a policy believes each engine holds (Preble's tree or a prefix index)."""
+    held: dict[str, set[int]] = {u: set() for u in engines}
+    tree = getattr(policy, "tree", None)
+    if tree is not None:
+        for node in tree.nodes():
+            for url, n in node.engines.items():
+                held[url].update(node.blocks[:n])
+    else:
+        for url in engines:
+            held[url] = set(policy.index.blocks(url))  # type: ignore[attr-defined]
+    return held
+
+
+@pytest.mark.parametrize(
+    ("policy", "options"),
+    [
+        ("preble", {}),
+        ("cache_aware", {"precise": "true"}),
+        ("weighted_scorer", {"precise": "true"}),
+    ],
+)
+def test_kv_events_make_the_prefix_state_exact(
+    fleet: Fleet, policy: str, options: dict[str, str]
+) -> None:
     """In-process gateway (so the policy can be inspected) with token keys and KV events:
-    the blocks Preble's tree attributes to each engine are exactly the prompt blocks that
-    engine reported storing, as an independent subscriber saw them."""
+    the blocks the policy attributes to each engine are exactly the prompt blocks that
+    engine reported storing, as an independent subscriber saw them; a cleared cache
+    (/reset_prefix_cache) empties the engine's entry."""
     import uuid
 
     import zmq.asyncio
@@ -176,9 +201,10 @@ def test_kv_events_make_prebles_tree_exact(fleet: Fleet) -> None:
     from gateway.config import load_settings
     from gateway.proxy.app import create_app
 
+    urls = [e.url for e in fleet.unified]
     settings = load_settings(
-        engines=[{"url": e.url} for e in fleet.unified],
-        policy={"name": "preble"},
+        engines=[{"url": u} for u in urls],
+        policy={"name": policy, "options": options},
         keying="tokens",
         kv_events=True,
         log_requests=False,
@@ -186,7 +212,7 @@ def test_kv_events_make_prebles_tree_exact(fleet: Fleet) -> None:
     app = create_app(settings)
     tag = uuid.uuid4().hex  # fresh prompts: nothing of them is cached yet
 
-    async def scenario() -> tuple[dict[str, set[int]], dict[str, set[int]], int]:
+    async def scenario() -> tuple[dict[str, set[int]], dict[str, set[int]], set[int], int]:
         ctx = zmq.asyncio.Context()
         socks = {}
         for e in fleet.unified:
@@ -222,18 +248,23 @@ def test_kv_events_make_prebles_tree_exact(fleet: Fleet) -> None:
                         elif event.get("type") == "BlockRemoved":
                             live[url].difference_update(event["block_hashes"])
                 sock.close(linger=0)
-            tree = state.dispatcher.policy.tree
-            held: dict[str, set[int]] = {u: set() for u in socks}
-            for node in tree.nodes():
-                for url, n in node.engines.items():
-                    held[url].update(node.blocks[:n])
-            known = {b for node in tree.nodes() for b in node.blocks}
-            live = {u: {b for b in blocks if b in known} for u, blocks in live.items()}
+            held = held_blocks(state.dispatcher.policy, urls)
+            known = set().union(*held.values())
+            live = {u: blocks & known for u, blocks in live.items()}
+            # Clear the busier engine's cache; vLLM publishes AllBlocksCleared at its next step.
+            target = max(urls, key=lambda u: len(held[u]))
+            async with httpx.AsyncClient(base_url=target, timeout=60) as engine:
+                assert (await engine.post("/reset_prefix_cache")).status_code == 200
+                probe = {"model": MODEL, "prompt": f"{tag} reset probe", "max_tokens": 2}
+                assert (await engine.post("/v1/completions", json=probe)).status_code == 200
+            await asyncio.sleep(1.5)
+            after_reset = held_blocks(state.dispatcher.policy, urls)[target] & known
             batches = state.kv_events.batches
         ctx.term()
-        return held, live, batches
+        return held, live, after_reset, batches
 
-    held, live, batches = asyncio.run(scenario())
+    held, live, after_reset, batches = asyncio.run(scenario())
     assert batches > 0
     assert sum(len(b) for b in held.values()) >= 3 * 8  # three prompts of >= 8 blocks
     assert held == live
+    assert not after_reset

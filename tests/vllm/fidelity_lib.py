@@ -1,0 +1,228 @@
+"""Simulator fidelity: one workload through kvgate + real engines and through the simulator.
+
+The engine model is calibrated on a real engine first (``kvgate calibrate``);
+the same requests (token-exact prompt lengths and block hashes from the
+engine's tokenizer) are then replayed through ``kvgate serve`` in front of the
+real engines and simulated on a cluster of the calibrated profile. The
+prediction error of TTFT p50/p90 and mean E2E is reported per policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from gateway.bench.loadgen import ReplayRequest, replay
+from gateway.core.vllm_hash import block_ids
+from gateway.perfmodel.presets import load_preset
+from gateway.sim.loop import ClusterSpec
+from gateway.sim.metrics import percentile
+from gateway.sim.runner import run_policy
+from gateway.sim.workloads import Workload, WorkloadRequest
+
+ROOT = Path(__file__).resolve().parents[2]
+WORDS = (
+    "router",
+    "cache",
+    "prefix",
+    "block",
+    "token",
+    "request",
+    "decode",
+    "prefill",
+    "batch",
+    "queue",
+    "latency",
+    "memory",
+    "model",
+    "gateway",
+    "policy",
+    "load",
+    "balance",
+    "hit",
+    "route",
+    "serve",
+    "stream",
+    "chunk",
+    "engine",
+)
+
+
+def calibrate(target: str, out: Path, *, max_seconds: int = 90) -> Path:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "calibrate",
+            "--target",
+            target,
+            "--out",
+            str(out),
+            "--base-preset",
+            "llama3-8b-h100",
+            "--max-seconds",
+            str(max_seconds),
+            "--max-batched-tokens",
+            "2048",
+            "--quiet",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=max_seconds + 120,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"calibration failed: {proc.stderr[-2000:]}")
+    return out
+
+
+def schedule(n: int, rate: float, seed: int, tag: str) -> list[ReplayRequest]:
+    """Shared system prompts (4 groups) + a unique question; Poisson arrivals."""
+    rng = random.Random(seed)
+    systems = [
+        f"{tag} group {g}: " + " ".join(rng.choice(WORDS) for _ in range(150 + 60 * g))
+        for g in range(4)
+    ]
+    t = 0.0
+    out = []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 40)))
+        out.append(
+            ReplayRequest(
+                arrival=t,
+                prompt=rng.choice(systems) + " Q: " + question,
+                output_tokens=rng.randint(8, 32),
+            )
+        )
+    return out
+
+
+def sim_workload(engine: str, model: str, requests: list[ReplayRequest], block: int) -> Workload:
+    reqs = []
+    with httpx.Client(timeout=30) as client:
+        for i, r in enumerate(requests):
+            tokens = client.post(
+                engine + "/tokenize", json={"model": model, "prompt": r.prompt}
+            ).json()["tokens"]
+            reqs.append(
+                WorkloadRequest(
+                    id=f"f{i}",
+                    arrival=r.arrival,
+                    prompt_tokens=len(tokens),
+                    output_tokens=r.output_tokens,
+                    block_hashes=block_ids(tokens, block),
+                )
+            )
+    return Workload(name="fidelity", requests=tuple(reqs), block_size=block)
+
+
+ENGINE_SERIES = {
+    "engine_ttft_mean": "vllm:time_to_first_token_seconds",
+    "engine_e2e_mean": "vllm:e2e_request_latency_seconds",
+}
+
+
+def engine_sums(engines: list[str]) -> dict[str, float]:
+    """Sum and count of the engines' own TTFT and E2E histograms, over all engines."""
+    out: dict[str, float] = {}
+    with httpx.Client(timeout=10) as client:
+        for url in engines:
+            for line in client.get(url + "/metrics").text.splitlines():
+                for key, series in ENGINE_SERIES.items():
+                    for part in ("_sum", "_count"):
+                        if line.startswith(series + part + "{"):
+                            name = key + part
+                            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def engine_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean TTFT and E2E as the engines themselves measured them between two snapshots."""
+    means = {}
+    for key in ENGINE_SERIES:
+        count = after.get(key + "_count", 0.0) - before.get(key + "_count", 0.0)
+        total = after.get(key + "_sum", 0.0) - before.get(key + "_sum", 0.0)
+        means[key] = total / count if count else 0.0
+    return means
+
+
+@dataclass
+class Row:
+    policy: str
+    real: dict[str, float]
+    sim: dict[str, float]
+
+    def error(self, key: str) -> float:
+        return abs(self.sim[key] - self.real[key]) / self.real[key]
+
+
+def stats(ttft: list[float], e2e: list[float]) -> dict[str, float]:
+    return {
+        "ttft_p50": percentile(ttft, 50) or 0.0,
+        "ttft_p90": percentile(ttft, 90) or 0.0,
+        "e2e_mean": statistics.mean(e2e) if e2e else 0.0,
+        "ttft_mean": statistics.mean(ttft) if ttft else 0.0,
+    }
+
+
+def measure(
+    gateway_url: str,
+    engines: list[str],
+    model: str,
+    policy: str,
+    profile: Path,
+    *,
+    n: int = 40,
+    rate: float = 4.0,
+    seed: int = 0,
+) -> Row:
+    requests = schedule(n, rate, seed, tag=f"{policy}-{seed}")
+    before = engine_sums(engines)
+    results = asyncio.run(replay(gateway_url, model, requests))
+    after = engine_sums(engines)
+    bad = [r.error for r in results if r.error]
+    if bad:
+        raise RuntimeError(f"replay errors: {bad[:3]}")
+    real = stats(
+        [r.ttft for r in results if r.ttft is not None],
+        [r.e2e for r in results if r.e2e is not None],
+    ) | engine_means(before, after)
+    perf = load_preset(str(profile))
+    workload = sim_workload(engines[0], model, requests, perf.block_size)
+    run = run_policy(policy, workload, ClusterSpec(len(engines), perf))
+    sim = stats(
+        [x.ttft for x in run.records if x.ttft is not None],
+        [x.e2e for x in run.records if x.e2e is not None],
+    )
+    sim["engine_ttft_mean"] = sim["ttft_mean"]
+    sim["engine_e2e_mean"] = sim["e2e_mean"]
+    return Row(policy, real, sim)
+
+
+CLIENT_KEYS = ("ttft_p50", "ttft_p90", "e2e_mean")
+ENGINE_KEYS = ("engine_ttft_mean", "engine_e2e_mean")
+
+
+def table(rows: list[Row]) -> str:
+    """Client-side (through kvgate) and engine-side (vLLM's own histograms) real vs simulated."""
+    lines = [
+        "| policy | TTFT p50 real / sim (error) | TTFT p90 real / sim (error) | "
+        "E2E mean real / sim (error) | engine-side TTFT mean | engine-side E2E mean |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        cells = [
+            f"{r.real[k] * 1000:.1f} / {r.sim[k] * 1000:.1f} ms ({r.error(k):.0%})"
+            for k in CLIENT_KEYS + ENGINE_KEYS
+        ]
+        lines.append(f"| {r.policy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

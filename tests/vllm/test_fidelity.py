@@ -1,0 +1,46 @@
+"""Calibration on a real engine, then simulator fidelity against kvgate + real engines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import MODEL, Fleet, start_gateway
+from fidelity_lib import calibrate, measure, table
+
+from gateway.perfmodel.presets import load_preset
+
+pytestmark = pytest.mark.vllm
+
+# Stated bounds on the relative prediction error (the target is 20 %; docs/evaluation.md
+# reports what this platform reaches and why): measured here 56-69 % for client-side TTFT,
+# 23-34 % for client-side E2E, 37-41 % / 17-28 % for the engine-side TTFT / E2E means.
+# A broken model (say, a decode step fitted 100x too small) lands far outside them.
+MAX_ERROR = {
+    "ttft_p50": 0.85,
+    "ttft_p90": 0.85,
+    "e2e_mean": 0.5,
+    "engine_ttft_mean": 0.6,
+    "engine_e2e_mean": 0.45,
+}
+
+
+def test_calibrated_simulator_predicts_real_latencies(fleet: Fleet, tmp_path: Path) -> None:
+    profile = calibrate(fleet.unified[0].url, tmp_path / "profile.yaml", max_seconds=60)
+    perf = load_preset(str(profile))
+    assert perf.block_size == 32 and perf.prefill_b > 0 and perf.decode_e0 > 0
+    urls = [e.url for e in fleet.unified]
+    rows = []
+    for policy in ("round_robin", "cache_aware"):
+        args = ["--policy", policy]
+        for url in urls:
+            args += ["--engine", url]
+        gw = start_gateway(tmp_path, args)
+        try:
+            rows.append(measure(gw.url, urls, MODEL, policy, profile, n=30, rate=3.0))
+        finally:
+            gw.stop()
+    print("\n" + table(rows))
+    for row in rows:
+        for key, bound in MAX_ERROR.items():
+            assert row.error(key) <= bound, (row.policy, key, row.real, row.sim)
