@@ -8,6 +8,7 @@ lists and maps take JSON: ``KVGATE_ENGINES='[{"url": "http://10.0.0.5:8000"}]'``
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -115,6 +116,86 @@ class HealthConfig(_Strict):
     cooldown_s: float = Field(default=5.0, ge=0, description="minimum time out after a failure")
 
 
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def _dns_label(value: str | None, what: str) -> str | None:
+    if value is not None and not _DNS_LABEL.match(value):
+        raise ValueError(f"{what} must be a DNS label (lowercase a-z, 0-9, '-'), got {value!r}")
+    return value
+
+
+class KubeServiceConfig(_Strict):
+    """A Kubernetes Service whose ready endpoints become engines (one discovery source)."""
+
+    name: str = Field(description="the Service; its EndpointSlices carry this name as label")
+    namespace: str | None = Field(default=None, description="default: discovery.namespace")
+    port_name: str | None = Field(default=None, description="the named port of the slices")
+    port: int | None = Field(default=None, ge=1, le=65535, description="a fixed port instead")
+    role: Role = "both"
+    model: str | None = Field(default=None, description="served model; else from /v1/models")
+    api_key: SecretStr | None = Field(default=None, description="sent as Bearer to the engines")
+    scheme: Literal["http", "https"] = "http"
+
+    @field_validator("name", "namespace")
+    @classmethod
+    def _check_label(cls, value: str | None) -> str | None:
+        return _dns_label(value, "a Service name or namespace")
+
+    @model_validator(mode="after")
+    def _one_port(self) -> KubeServiceConfig:
+        if self.port is not None and self.port_name is not None:
+            raise ValueError("set port_name or port, not both")
+        return self
+
+
+class DiscoveryConfig(_Strict):
+    """Where engines come from besides ``engines``: nowhere (static) or Kubernetes
+    EndpointSlices, watched (or polled) through the API server."""
+
+    kind: Literal["static", "kubernetes"] = "static"
+    namespace: str | None = Field(
+        default=None, description="default namespace of services: the pod's own, else 'default'"
+    )
+    services: list[KubeServiceConfig] = Field(default_factory=list)
+    watch: bool = Field(default=True, description="watch EndpointSlices; false: poll them")
+    interval_s: float = Field(default=10.0, gt=0, description="poll period (watch: false)")
+    resync_s: float = Field(default=300.0, gt=0, description="a watch runs this long, relist")
+    api_server: str | None = Field(
+        default=None, description="default: https://$KUBERNETES_SERVICE_HOST:$..._PORT"
+    )
+    token_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    ca_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+    timeout_s: float = Field(default=10.0, gt=0, description="API request timeout")
+    backoff_s: float = Field(default=1.0, gt=0, description="first retry delay after an error")
+    backoff_max_s: float = Field(default=30.0, gt=0)
+
+    @field_validator("namespace")
+    @classmethod
+    def _check_namespace(cls, value: str | None) -> str | None:
+        return _dns_label(value, "discovery.namespace")
+
+    @field_validator("api_server")
+    @classmethod
+    def _check_api_server(cls, value: str | None) -> str | None:
+        if value is not None:
+            value = value.strip().rstrip("/")
+            if not value.startswith(("http://", "https://")):
+                raise ValueError(f"api_server must start with http:// or https://, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> DiscoveryConfig:
+        if self.kind == "kubernetes" and not self.services:
+            raise ValueError("discovery kind kubernetes needs at least one entry in services")
+        if self.kind == "static" and self.services:
+            raise ValueError("discovery.services is only used with kind: kubernetes")
+        keys = [(s.namespace or self.namespace, s.name) for s in self.services]
+        if len(set(keys)) != len(keys):
+            raise ValueError("a Service is listed twice in discovery.services")
+        return self
+
+
 class Settings(BaseSettings):
     """Everything ``kvgate serve`` needs."""
 
@@ -125,6 +206,7 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     engines: list[EngineConfig] = Field(default_factory=list)
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     slo_classes: dict[str, SloConfig] = Field(default_factory=_default_slos)
     default_slo_class: str = Field(

@@ -89,9 +89,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             options[key] = value
         overrides["policy"] = {"name": args.policy or base.policy.name, "options": options}
     settings = load_settings(args.config, **overrides)
-    if not settings.engines:
-        raise ConfigError("no engines: pass --engine URL or list engines in --config")
-    roles = {e.role for e in settings.engines}
+    if not settings.engines and settings.discovery.kind == "static":
+        raise ConfigError(
+            "no engines: pass --engine URL, list engines in --config, or configure discovery"
+        )
+    roles = {e.role for e in settings.engines} | {s.role for s in settings.discovery.services}
     if "prefill" in roles and not roles & {"decode", "both"}:
         raise ConfigError("prefill engines need at least one decode (or both) engine")
     urls = [e.url for e in settings.engines]

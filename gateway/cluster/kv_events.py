@@ -125,6 +125,10 @@ class KVEventSubscriber:
             if key not in self._tasks:
                 self._tasks[key] = asyncio.create_task(self._run(src), name=f"kv-events {key}")
 
+    def subscribed(self, engine: str) -> bool:
+        """True while some publisher of ``engine`` is being received."""
+        return any(k.startswith(engine + "|") for k in self._tasks)
+
     def stop_engine(self, engine: str) -> None:
         for key in [k for k in self._tasks if k.startswith(engine + "|")]:
             self._tasks.pop(key).cancel()

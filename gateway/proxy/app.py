@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI
 
+from gateway.cluster.discovery import KubeDiscovery, RegistryMembership
 from gateway.cluster.monitor import EngineMonitor
 from gateway.cluster.registry import EngineRegistry, EngineState
 from gateway.config import Settings
@@ -137,6 +138,20 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         if settings.keying == "tokens":
             state.token_keyer = TokenKeyer(client, registry, seed=settings.vllm_hash_seed)
         bridge = EventBridge(client, dispatcher, metrics) if settings.kv_events else None
+        if bridge is not None and settings.keying != "tokens":
+            log.warning(
+                "kv_events is on but keying is %r: the engines' block ids will not match the "
+                "routing keys; set keying: tokens for an exact cache view",
+                settings.keying,
+            )
+        elif dispatcher.policy.wants_cache_events and bridge is None:
+            log.info("policy %s models engine caches (kv_events is off)", policy.name)
+        discovery = None
+        if settings.discovery.kind == "kubernetes":  # engines from EndpointSlices too
+            members = RegistryMembership(
+                registry, monitor, dispatcher, bridge.subscriber if bridge else None
+            )
+            discovery = KubeDiscovery(settings.discovery, members)
         await monitor.check_all()
         pump = asyncio.create_task(forwarder.run_pump(0.05), name="kvgate-queue-pump")
         if settings.block_size is None:
@@ -155,10 +170,14 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
 
         monitor.on_change = on_change
         monitor.start()
+        if discovery is not None:
+            await discovery.start(wait_s=settings.discovery.timeout_s)
         log.info("kvgate ready", extra={"policy": policy.name, "engines": len(registry)})
         try:
             yield
         finally:
+            if discovery is not None:
+                await discovery.stop()
             pump.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await pump

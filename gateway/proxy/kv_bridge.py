@@ -33,7 +33,6 @@ class EventBridge:
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.subscriber = KVEventSubscriber(self._on_delta)
-        self.attached: set[str] = set()
         self._pending: set[asyncio.Task[bool]] = set()
 
     def _on_delta(self, engine: str, delta: CacheDelta) -> None:
@@ -46,7 +45,7 @@ class EventBridge:
 
     async def attach(self, engine: EngineState) -> bool:
         """Subscribe to ``engine``'s publishers; False when it publishes none."""
-        if engine.id in self.attached:
+        if self.subscriber.subscribed(engine.id):
             return True
         headers = {"authorization": f"Bearer {engine.api_key}"} if engine.api_key else {}
         try:
@@ -66,12 +65,11 @@ class EventBridge:
             )
             return False
         self.subscriber.start(sources)
-        self.attached.add(engine.id)
         return True
 
     def on_health(self, engine: EngineState, healthy: bool) -> None:
         """Monitor callback: attach newly healthy engines; forget what a dead one cached."""
-        if healthy and engine.id not in self.attached:
+        if healthy and not self.subscriber.subscribed(engine.id):
             task = asyncio.ensure_future(self.attach(engine))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
@@ -80,7 +78,6 @@ class EventBridge:
 
     def detach(self, engine_id: str) -> None:
         self.subscriber.stop_engine(engine_id)
-        self.attached.discard(engine_id)
 
     async def aclose(self) -> None:
         for task in list(self._pending):

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from gateway.cluster.discovery import RegistryMembership
 from gateway.cluster.registry import EngineState
 from gateway.config import EngineConfig
 from gateway.core.types import EngineRole
@@ -123,11 +124,8 @@ async def add_engine(request: Request) -> JSONResponse:
 @admin.delete("/engines")
 async def remove_engine(request: Request, url: str) -> JSONResponse:
     state = get_state(request)
-    engine = state.registry.remove(url.rstrip("/"))
+    members = RegistryMembership(state.registry, state.monitor, state.dispatcher, state.kv_events)
+    engine = members.remove(url.rstrip("/"))
     if engine is None:
         raise ApiError(404, f"engine {url} is not registered", param="url")
-    engine.retired = True
-    if state.kv_events is not None:
-        state.kv_events.stop_engine(engine.id)
-    state.dispatcher.engine_removed(engine.id)
     return JSONResponse({"removed": engine.id})
