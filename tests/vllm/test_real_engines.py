@@ -268,3 +268,23 @@ def test_kv_events_make_the_prefix_state_exact(
     assert sum(len(b) for b in held.values()) >= 3 * 8  # three prompts of >= 8 blocks
     assert held == live
     assert not after_reset
+
+
+def test_every_vllm_series_in_dashboards_and_alerts_is_exported(fleet: Fleet) -> None:
+    """Each ``vllm:*`` name the Grafana dashboards and Prometheus alerts query is on a real
+    engine's /metrics (NIXL series on the P/D engines, after the P/D test's transfers)."""
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    sources = [*(root / "deploy" / "grafana" / "dashboards").glob("*.json")]
+    sources.append(root / "deploy" / "prometheus" / "alerts.yml")
+    used = {m for src in sources for m in re.findall(r"vllm:[a-z_]+", src.read_text())}
+    exported: set[str] = set()
+    for engine in [*fleet.unified, fleet.prefill, fleet.decode]:
+        text = httpx.get(engine.url + "/metrics", timeout=10).text
+        exported.update(re.findall(r"^(vllm:[a-z_]+)", text, re.M))  # samples
+        exported.update(re.findall(r"^# TYPE (vllm:[a-z_]+)", text, re.M))  # families
+    assert used, "no vllm:* series found in the dashboards"
+    missing = sorted(used - exported)
+    nixl = sorted(n for n in exported if "nixl" in n)
+    assert not missing, f"queried but not exported by vLLM 0.32: {missing}; NIXL ones: {nixl}"
