@@ -11,9 +11,10 @@ from typing import Any
 from gateway.core.errors import ConfigError
 from gateway.perfmodel.presets import DEFAULT_PRESET, load_preset
 from gateway.policies.registry import POLICIES, create_policy
+from gateway.sim.bound import attach_bound
 from gateway.sim.loop import ClusterSpec
 from gateway.sim.plots import plots_available, write_plots
-from gateway.sim.report import write_report, write_results
+from gateway.sim.report import render_console, write_report, write_results
 from gateway.sim.runner import SimulateOptions, simulate
 from gateway.sim.workloads import WorkloadOptions, builtin_slo_classes, load_workload
 
@@ -33,7 +34,7 @@ def register(sub: Any) -> None:
         "--workload",
         required=True,
         metavar="SPEC",
-        help="mooncake:PATH, azure:PATH or gen:NAME[?key=value&...]",
+        help="mooncake:PATH, recorded:PATH, azure:PATH or gen:NAME[?key=value&...]",
     )
     p.add_argument(
         "--policies",
@@ -194,6 +195,17 @@ def run(args: argparse.Namespace) -> int:
         preset_name=args.preset,
     )
     results = result.results
+    bound_started = time.perf_counter()
+    attach_bound(
+        results,
+        workload,
+        opts.cluster,
+        seed=args.seed,
+        capacity=args.capacity,
+        target=opts.capacity_target,
+        steps=opts.capacity_steps,
+    )
+    say(_bound_line(results, time.perf_counter() - bound_started))
     results["rate_scale"] = args.rate_scale
     results["limit"] = args.limit
     results["slo"] = {"ttft_s": args.ttft_slo, "tpot_s": args.tpot_slo}
@@ -209,5 +221,18 @@ def run(args: argparse.Namespace) -> int:
         write_report(results, out_dir, plots)
     except OSError as exc:
         raise ConfigError(f"cannot write to {out_dir}: {exc.strerror}") from None
+    print(render_console(results))
     say(f"wrote {out_dir}/results.json and report.md in {time.perf_counter() - started:.1f} s")
     return 0
+
+
+def _bound_line(results: dict[str, Any], seconds: float) -> str:
+    b = results["pooled_bound"]
+    ttft = "-" if b["ttft_p50"] is None else f"{b['ttft_p50']:.3f}s"
+    line = (
+        f"[bound] pooled ({b['engines_pooled']} engines as one): hit {b['cache_hit_rate']:.1%}, "
+        f"TTFT p50 {ttft}, goodput {b['goodput']:.1%}"
+    )
+    if b.get("capacity_rps") is not None:
+        line += f", capacity {b['capacity_rps']:.2f} req/s"
+    return line + f" ({seconds:.1f} s)"

@@ -144,8 +144,11 @@ class DualMapPolicy(PolicyBase):
         return hashes[depth - 1], depth
 
     def candidates(self, key: int, view: ClusterView) -> list[EngineView]:
-        """The two candidates of ``key`` among healthy engines (one when only one is up)."""
-        down = {e.id for e in view.engines if not e.healthy}
+        """The two candidates of ``key`` among the view's healthy engines (one when only one is
+        up). A view may be one pool of a disaggregated cluster: ring engines outside it are
+        skipped like engines that are down."""
+        usable = {e.id for e in view.engines if e.healthy}
+        down = {e for ring in self.rings for e in ring.engines} - usable
         first = self.rings[0].lookup(key, skip=down)
         if first is None:
             return []
@@ -166,6 +169,8 @@ class DualMapPolicy(PolicyBase):
                 self._capacity[e.id] = e.kv_capacity_blocks
         key, _ = self.key(req)
         cands = self.candidates(key, view)
+        if not cands:  # healthy engines the rings do not know yet: the least loaded of them
+            cands = sorted(view.healthy(), key=lambda e: e.pending_prefill_tokens)[:1]
         matched = self.cache.match(req.block_hashes)
         hits = {
             e.id: min(matched.get(e.id, 0) * req.block_size, req.prompt_tokens - 1) for e in cands

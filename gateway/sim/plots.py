@@ -78,3 +78,40 @@ def write_plots(runs: Mapping[str, SimRun], out_dir: Path) -> list[str]:
     plt.close(fig)
     written.append("load_cv.png")
     return written
+
+
+def write_plan_plot(
+    curves: Mapping[str, list[tuple[int, float]]], target: float, path: Path
+) -> Path:
+    """SLO attainment vs pool size, one line per policy (``kvgate plan``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in curves.items():
+        if not points:
+            continue
+        pts = sorted(points)
+        bound = name == "pooled bound"
+        ax.plot(
+            [n for n, _ in pts],
+            [a for _, a in pts],
+            marker="o",
+            label=name,
+            color="black" if bound else None,
+            linestyle="--" if bound else "-",
+        )
+    ax.axhline(target, color="grey", linewidth=1.0, linestyle=":", label=f"target {target:.0%}")
+    ax.set_xlabel("engines in the pool")
+    ax.set_ylabel("SLO attainment (share of requests)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("SLO attainment vs pool size")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -708,3 +708,17 @@ def test_simulation_completes_holds_and_is_deterministic() -> None:
         (r.engine, r.first_token_time) for r in runs[1].records
     ]
     assert len({r.engine for r in runs[0].records}) == 4
+
+
+def test_dualmap_routes_each_pool_of_a_disaggregated_cluster() -> None:
+    """Regression: a pool's view holds only some of the ring's engines (used to crash)."""
+    from gateway.perfmodel.presets import load_preset
+    from gateway.sim.loop import ClusterSpec
+    from gateway.sim.runner import run_policy
+    from gateway.sim.workloads import WorkloadOptions, load_workload
+
+    wl = load_workload("gen:tool_use?n=60&rate=20", WorkloadOptions())
+    cluster = ClusterSpec(6, load_preset("mistral-7b-a6000"), prefill_instances=2)
+    run = run_policy("dualmap", wl, cluster)
+    assert len(run.records) == 60
+    assert all(r.ttft is not None for r in run.records)
