@@ -3,6 +3,10 @@
 A workload spec is ``KIND:ARG`` with optional ``?key=value&...`` parameters:
 
 * ``mooncake:PATH`` — any Mooncake-format JSONL trace (512-token ``hash_ids``);
+* ``recorded:PATH`` — traffic recorded by ``kvgate serve --record PATH``: the
+  file and its rotated siblings ``PATH.1 ..``, every file of a directory, or a
+  glob (``*``); each line's own ``block_size`` and ``slo_class`` are used;
+  ``?model=NAME`` keeps one model, ``?failed=drop`` leaves out failed requests;
 * ``azure:PATH`` — the Azure LLM inference 2023 CSV (arrivals and lengths;
   ``?share=F`` synthesises prefix sharing);
 * ``gen:NAME`` — a parametric generator (see :data:`GENERATORS`).
@@ -115,7 +119,8 @@ def parse_spec(spec: str) -> tuple[str, str, dict[str, str]]:
     kind, sep, rest = spec.partition(":")
     if not sep or not rest:
         raise WorkloadError(
-            f"workload spec {spec!r} must look like mooncake:PATH, azure:PATH or gen:NAME"
+            f"workload spec {spec!r} must look like mooncake:PATH, recorded:PATH, azure:PATH "
+            "or gen:NAME"
         )
     arg, _, query = rest.partition("?")
     try:
@@ -138,6 +143,10 @@ def load_workload(spec: str, options: WorkloadOptions | None = None) -> Workload
         from gateway.sim.mooncake import load_mooncake
 
         requests = load_mooncake(arg, options, params)
+    elif kind == "recorded":
+        from gateway.sim.mooncake import load_recorded
+
+        requests = load_recorded(arg, options, params)
     elif kind == "azure":
         from gateway.sim.azure import load_azure
 
@@ -149,7 +158,9 @@ def load_workload(spec: str, options: WorkloadOptions | None = None) -> Workload
             raise WorkloadError(f"unknown generator {arg!r} (known: {', '.join(gens)})")
         requests = gen(params, options)
     else:
-        raise WorkloadError(f"unknown workload kind {kind!r} (known: mooncake, azure, gen)")
+        raise WorkloadError(
+            f"unknown workload kind {kind!r} (known: mooncake, recorded, azure, gen)"
+        )
     requests.sort(key=lambda r: r.arrival)
     if options.limit is not None:
         requests = requests[: options.limit]
