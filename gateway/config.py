@@ -104,6 +104,13 @@ class RetryConfig(_Strict):
     max_attempts: int = Field(default=3, ge=1, le=10)
     backoff_s: float = Field(default=0.05, ge=0)
     backoff_max_s: float = Field(default=1.0, ge=0)
+    budget_ratio: float = Field(
+        default=0.2, ge=0, description="retries may add this share of the requests (window)"
+    )
+    budget_min_per_s: float = Field(
+        default=3.0, ge=0, description="retries allowed per second on top of the ratio"
+    )
+    budget_window_s: float = Field(default=10.0, gt=0, description="the budget's sliding window")
 
 
 class HealthConfig(_Strict):
@@ -114,6 +121,66 @@ class HealthConfig(_Strict):
     failure_threshold: int = Field(default=2, ge=1)
     recovery_threshold: int = Field(default=1, ge=1)
     cooldown_s: float = Field(default=5.0, ge=0, description="minimum time out after a failure")
+    cooldown_max_s: float = Field(
+        default=60.0, ge=0, description="cap of the doubling cooldown of repeated trips"
+    )
+    cooldown_jitter: float = Field(default=0.2, ge=0, lt=1, description="cooldown × (1 ± this)")
+    failure_rate: float = Field(
+        default=0.5, gt=0, le=1, description="open when this share of the window's requests fail"
+    )
+    failure_rate_window_s: float = Field(default=10.0, gt=0)
+    failure_rate_min_requests: int = Field(
+        default=20, ge=1, description="outcomes in the window before the rate counts"
+    )
+    half_open_requests: int = Field(
+        default=1, ge=1, description="trial requests at once to an engine whose cooldown ended"
+    )
+
+
+class RecordConfig(_Strict):
+    """Traffic recording (``kvgate serve --record PATH``): one Mooncake-format JSON line per
+    request, prompt-free, with salted block hashes (docs/gateway.md#recording-traffic)."""
+
+    path: str | None = Field(default=None, description="the recording file; unset: off")
+    max_bytes: int = Field(
+        default=100 * 1024 * 1024, ge=4096, description="rotate PATH past this size"
+    )
+    backups: int = Field(default=5, ge=0, le=1000, description="rotated files kept: PATH.1..N")
+    salt: SecretStr | None = Field(
+        default=None,
+        description="key of the hash-id salt; unset: random per process (recordings of two "
+        "processes then share no ids)",
+    )
+    queue_size: int = Field(
+        default=10_000, ge=1, description="records waiting for the writer; then dropped"
+    )
+
+    @field_validator("salt")
+    @classmethod
+    def _check_salt(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value().strip():
+            raise ValueError("record.salt must not be empty (unset it for a random one)")
+        return value
+
+
+class RateLimitConfig(_Strict):
+    """Per-client request rate limits on ``/v1/*``: one token bucket per client API key, or
+    per client IP; off unless ``requests_per_s`` is set (docs/security.md)."""
+
+    requests_per_s: float | None = Field(
+        default=None, gt=0, description="sustained requests per second per client; unset: off"
+    )
+    burst: int | None = Field(
+        default=None, ge=1, description="requests a client may send at once; default: the rate"
+    )
+    per: Literal["key", "ip"] = Field(
+        default="key",
+        description="key: per client API key (per client IP when no api_keys are set); ip: "
+        "per client IP",
+    )
+    max_buckets: int = Field(
+        default=100_000, ge=1, description="clients tracked at once; least recently seen dropped"
+    )
 
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -243,10 +310,25 @@ class Settings(BaseSettings):
     api_keys: list[SecretStr] = Field(default_factory=list, description="client keys (Bearer)")
     admin_key: SecretStr | None = None
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    max_header_bytes: int = Field(
+        default=64 * 1024,
+        ge=4096,
+        description="request line and headers larger than this get 431 (kvgate serve)",
+    )
+    rate_limit: RateLimitConfig = Field(default_factory=RateLimitConfig)
     queue_timeout_s: float = Field(
         default=300.0, gt=0, description="longest a request may wait in a router queue"
     )
     max_queued: int = Field(default=10_000, ge=1, description="router queue bound (then 429)")
+    max_in_flight: int | None = Field(
+        default=None,
+        ge=1,
+        description="proxied requests in the gateway at once (held ones too); more get 503 "
+        "with Retry-After; unset: no cap",
+    )
+    shutdown_grace_s: int = Field(
+        default=30, ge=0, description="on SIGTERM, seconds open requests (streams) may finish"
+    )
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
     retries: RetryConfig = Field(default_factory=RetryConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
@@ -254,6 +336,7 @@ class Settings(BaseSettings):
     expose_engine_header: bool = Field(default=True, description="X-Kvgate-Engine on responses")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_requests: bool = True
+    record: RecordConfig = Field(default_factory=RecordConfig)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

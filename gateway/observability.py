@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gateway.cluster.breaker import STATE_VALUE
 from gateway.cluster.registry import EngineRegistry, Health
 
 _LATENCY_BUCKETS = (
@@ -165,6 +166,29 @@ class GatewayMetrics:
             ["engine", "kind"],
             registry=r,
         )
+        self.breaker_transitions = Counter(
+            "kvgate_breaker_transitions",
+            "Circuit breaker transitions by engine and new state (open, half_open, closed)",
+            ["engine", "state"],
+            registry=r,
+        )
+        self.retry_budget_exhausted = Counter(
+            "kvgate_retry_budget_exhausted",
+            "Retries refused because the retry budget was spent (the request failed fast)",
+            ["route"],
+            registry=r,
+        )
+        self.overloaded = Counter(
+            "kvgate_overload_rejected",
+            "Requests refused with 503 because max_in_flight requests were in the gateway",
+            registry=r,
+        )
+        self.rate_limited = Counter(
+            "kvgate_rate_limited",
+            "Requests refused with 429 by the per-client rate limit (rate_limit), by route",
+            ["route"],
+            registry=r,
+        )
 
     def watch_engines(
         self, engines: EngineRegistry, in_flight: Callable[[], dict[str, int]]
@@ -223,6 +247,11 @@ class _EngineCollector(Collector):
                 "Engine-reported prefix cache hits / queries since start (scraped)",
                 labels=["engine"],
             ),
+            "breaker": GaugeMetricFamily(
+                "kvgate_engine_breaker_state",
+                "Circuit breaker: 0 closed, 1 half-open, 2 open",
+                labels=["engine"],
+            ),
         }
         flights = self.in_flight()
         n_healthy = 0
@@ -234,6 +263,7 @@ class _EngineCollector(Collector):
             fams["healthy"].add_metric(label, 1.0 if healthy else 0.0)
             fams["in_flight"].add_metric(label, float(flights.get(e.id, 0)))
             fams["pending"].add_metric(label, float(e.pending_tokens))
+            fams["breaker"].add_metric(label, STATE_VALUE[e.breaker.state])
             m = e.metrics
             if m is not None:
                 fams["waiting"].add_metric(label, m.waiting)

@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from gateway.core.errors import ConfigError
+from gateway.emulator.faults import FAULTS, FaultInjector, parse_fault
 from gateway.emulator.pd import ROLES
 from gateway.emulator.server import create_emulator_app
 from gateway.emulator.state import EmulatorSettings
@@ -104,6 +105,19 @@ def register(sub: Any) -> None:
         "host:port and seed)",
     )
     p.add_argument(
+        "--fault",
+        default=None,
+        metavar="NAME[:ARG]",
+        help="inject a fault from the start (for fault tests; implies --fault-admin): "
+        + "; ".join(f"{name} ({what})" for name, (what, _) in FAULTS.items()),
+    )
+    p.add_argument(
+        "--fault-admin",
+        action="store_true",
+        help="serve POST/GET /_faults to set and clear faults at run time, and "
+        "GET /_faults/log (one entry per generation request); never on a shared network",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="uvicorn log level (default info)"
     )
     p.set_defaults(handler=run)
@@ -123,6 +137,9 @@ def settings_from_args(args: argparse.Namespace) -> EmulatorSettings:
         raise ConfigError(f"--role must be one of {', '.join(ROLES)}, got {args.role!r}")
     if args.engine_id is not None and not args.engine_id.strip():
         raise ConfigError("--engine-id must not be empty")
+    fault = getattr(args, "fault", None)
+    if fault is not None:
+        parse_fault(fault)  # a one-line error for a bad spec
     return EmulatorSettings(
         model=args.model,
         preset=args.preset,
@@ -138,6 +155,8 @@ def settings_from_args(args: argparse.Namespace) -> EmulatorSettings:
         engine_id=args.engine_id,
         host=args.host,
         port=args.port or None,
+        fault=fault,
+        fault_admin=bool(getattr(args, "fault_admin", False)),
     )
 
 
@@ -186,8 +205,15 @@ def run(args: argparse.Namespace) -> int:
         timeout_keep_alive=30,
         access_log=args.log_level in ("debug", "info"),
     )
+    faults: FaultInjector | None = getattr(app.state, "faults", None)
+    if faults is None:
+        server = uvicorn.Server(config)
+    else:
+        from gateway.emulator.listener import FaultServer
+
+        server = FaultServer(config, faults, sock)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: a normal stop
         pass
     finally:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import signal
+from pathlib import Path
 from typing import Any
 
 from gateway.config import Settings, load_settings
@@ -59,6 +61,12 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, metavar="N", help="engine KV block size (default 16)")
     p.add_argument("--admin-key", metavar="KEY", help="protect /admin routes with this key")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--record",
+        metavar="PATH",
+        help="record traffic (no prompt text: lengths, arrivals, salted block hashes) to PATH "
+        "as Mooncake-format JSONL; replay with kvgate simulate --workload recorded:PATH",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -80,6 +88,13 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             {**e.model_dump(), "api_key": e.api_key.get_secret_value() if e.api_key else None}
             for e in base.engines
         ] + added
+    if getattr(args, "record", None):
+        salt = base.record.salt
+        overrides["record"] = {
+            **base.record.model_dump(),
+            "path": args.record,
+            "salt": salt.get_secret_value() if salt is not None else None,
+        }
     if args.policy or args.policy_option:
         options = dict(base.policy.options)
         for item in args.policy_option:
@@ -110,13 +125,30 @@ def run(args: argparse.Namespace) -> int:
     from gateway.proxy.app import create_app
 
     settings = settings_from_args(args)
+    if settings.record.path is not None:  # a one-line error now, not a failed startup later
+        record = Path(settings.record.path)
+        try:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            record.open("ab").close()
+        except OSError as exc:
+            raise ConfigError(f"cannot record to {record}: {exc.strerror or exc}") from None
+    from gateway.cli.http_limits import server_options
+
     configure_logging(settings.log_level)
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=30,
-    )
+    # uvicorn drains on SIGTERM (stops listening, lets open requests finish within the grace
+    # period), then re-raises the signal to the handler it found: this one, so a drained
+    # gateway exits 0 instead of dying by the signal.
+    previous = signal.signal(signal.SIGTERM, lambda _sig, _frame: None)
+    try:
+        uvicorn.run(
+            create_app(settings),
+            host=settings.host,
+            port=settings.port,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=settings.shutdown_grace_s,
+            **server_options(settings.max_header_bytes),  # 431/414/408 for heads; no WebSockets
+        )
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0

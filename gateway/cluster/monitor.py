@@ -5,7 +5,9 @@ Each round, for every engine at once: ``GET /health`` (the liveness probe),
 (parsed into :class:`EngineMetrics`). A failing engine is taken out of
 routing after ``failure_threshold`` failed rounds (or at once when the
 forwarder saw a refused connection) and is probed back in: the same rounds
-keep running against it and ``recovery_threshold`` good ones bring it back.
+keep running against it and, once its breaker's cooldown is over (half-open),
+``recovery_threshold`` good ones bring it back (see :mod:`gateway.cluster.breaker`).
+A failing or unparsable ``/metrics`` is logged and leaves health alone.
 """
 
 from __future__ import annotations
@@ -105,11 +107,11 @@ class EngineMonitor:
                 log.warning("engine %s: /metrics answered %s", engine.id, metrics.status_code)
         except (httpx.HTTPError, _ProbeError) as exc:
             reason = _describe(exc)
-            if self.registry.mark_failure(engine.id, reason, self.clock()):
+            if self.registry.mark_failure(engine.id, reason, self.clock(), probe=True):
                 log.warning("engine %s taken out of routing: %s", engine.id, reason)
                 self._notify(engine, False)
             return False
-        if self.registry.mark_success(engine.id, self.clock()):
+        if self.registry.mark_success(engine.id, self.clock(), probe=True):
             log.info("engine %s is healthy (models: %s)", engine.id, ", ".join(engine.models))
             self._notify(engine, True)
         return True

@@ -5,16 +5,29 @@ failures, active from probes), the last scraped vLLM metrics, the models it
 serves, and the prompt tokens the router has sent it that have not produced
 a first token yet (its pending prefill estimate). :meth:`EngineRegistry.view`
 turns this into the :class:`ClusterView` policies decide on.
+
+Health is a circuit breaker per engine (:mod:`gateway.cluster.breaker`): request
+failures and failed probes open it, a cooldown with jittered exponential backoff
+keeps the engine out, then half-open admits a bounded number of trial requests
+while probes go on, and successes close it. ``health`` mirrors it: ``unhealthy``
+while open or half-open, ``healthy`` once closed after a success.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from gateway.cluster.breaker import BreakerConfig, BreakerState, CircuitBreaker, Transition
 from gateway.core.types import ClusterView, EngineRole, EngineView
 from gateway.policies.router_queues import RouterQueues
+
+log = logging.getLogger("kvgate.cluster")
 
 
 class Health(StrEnum):
@@ -60,11 +73,22 @@ class EngineState:
     down_until: float = 0.0
     retired: bool = False
     pending_by_request: dict[str, int] = field(default_factory=dict)
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
 
     @property
     def routable(self) -> bool:
-        """Known models, healthy (or not yet probed), and not being removed."""
-        return not self.retired and self.health is not Health.UNHEALTHY and bool(self.models)
+        """Known models, healthy (or not yet probed, or half-open taking trial requests),
+        and not being removed."""
+        return (
+            not self.retired
+            and bool(self.models)
+            and (self.health is not Health.UNHEALTHY or self.breaker.trial_requests)
+        )
+
+    @property
+    def admits(self) -> bool:
+        """Routable and free to take a request now (half-open: a trial slot is free)."""
+        return self.routable and (self.health is not Health.UNHEALTHY or self.breaker.admits)
 
     def serves(self, model: str | None) -> bool:
         return model is None or model in self.models
@@ -79,11 +103,24 @@ class EngineRegistry:
         failure_threshold: int = 2,
         recovery_threshold: int = 1,
         cooldown_s: float = 5.0,
+        breaker: BreakerConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        seed: int | None = None,
     ) -> None:
         self._engines: dict[str, EngineState] = {}
-        self.failure_threshold = failure_threshold
-        self.recovery_threshold = recovery_threshold
-        self.cooldown_s = cooldown_s
+        self.breaker = breaker or BreakerConfig(
+            failure_threshold=failure_threshold,
+            recovery_threshold=recovery_threshold,
+            cooldown_s=cooldown_s,
+            cooldown_max_s=max(cooldown_s, 60.0),
+        )
+        self.failure_threshold = self.breaker.failure_threshold
+        self.recovery_threshold = self.breaker.recovery_threshold
+        self.cooldown_s = self.breaker.cooldown_s
+        self.clock = clock
+        self._rng = random.Random(seed)
+        self.on_transition: Callable[[EngineState, BreakerState, BreakerState], None] | None = None
+        """Called on every breaker transition (metrics, logs)."""
 
     def __len__(self) -> int:
         return len(self._engines)
@@ -109,6 +146,7 @@ class EngineRegistry:
             configured_model=model,
             api_key=api_key,
             models=(model,) if model else (),
+            breaker=CircuitBreaker(self.breaker, random.Random(self._rng.random())),
         )
         self._engines[url] = state
         return state
@@ -124,6 +162,7 @@ class EngineRegistry:
 
     def models(self) -> list[str]:
         """Models served by routable engines, in first-seen order."""
+        self.poll()
         seen: dict[str, None] = {}
         for e in self._engines.values():
             if e.routable:
@@ -131,48 +170,112 @@ class EngineRegistry:
                     seen.setdefault(m, None)
         return list(seen)
 
-    # -- health ---------------------------------------------------------------
-    def mark_success(self, engine_id: str, now: float) -> bool:
+    # -- health (the breaker) --------------------------------------------------------
+    def poll(self, now: float | None = None) -> None:
+        """Move engines whose cooldown is over to half-open."""
+        now = self.clock() if now is None else now
+        for e in self._engines.values():
+            if e.breaker.state is BreakerState.OPEN and now >= e.breaker.open_until:
+                self._apply(e, e.breaker.poll(now), now)
+
+    def mark_success(self, engine_id: str, now: float, *, probe: bool = False) -> bool:
         """Record a successful probe or request; True when the engine just recovered.
 
-        An engine taken out of routing comes back only after its cooldown, so a
-        server whose /health answers while its requests fail does not flap.
+        An engine taken out of routing comes back only after its cooldown (then
+        half-open: ``recovery_threshold`` successes close the breaker), so a server
+        whose /health answers while its requests fail does not flap quickly. A passing
+        ``probe`` does not reset the failures of requests (see the breaker).
         """
         e = self._engines.get(engine_id)
         if e is None:
             return False
-        e.consecutive_failures = 0
+        b = e.breaker
+        was = e.health
+        self._apply(e, b.poll(now), now)
         e.last_ok = now
-        if e.health is Health.UNHEALTHY and now < e.down_until:
+        self._apply(e, b.success(now, probe=probe), now)
+        e.consecutive_failures = b.failures
+        if b.state is not BreakerState.CLOSED:
+            e.consecutive_successes = b.successes
             return False
         e.consecutive_successes += 1
         if e.health is not Health.HEALTHY and e.consecutive_successes >= self.recovery_threshold:
-            e.health = Health.HEALTHY
+            e.health = Health.HEALTHY  # first probe(s) of a new engine
             e.last_error = None
-            return True
-        return False
+        return was is not Health.HEALTHY and e.health is Health.HEALTHY
 
     def mark_failure(
-        self, engine_id: str, error: str, now: float, *, immediate: bool = False
+        self,
+        engine_id: str,
+        error: str,
+        now: float,
+        *,
+        immediate: bool = False,
+        probe: bool = False,
     ) -> bool:
         """Record a failure; True when the engine was just taken out of routing.
 
         ``immediate`` takes it out at once (a refused connection), otherwise after
-        ``failure_threshold`` consecutive failures. It stays out for ``cooldown_s``.
+        ``failure_threshold`` consecutive failures or a failure rate over the
+        breaker's window. It stays out for the breaker's cooldown.
         """
         e = self._engines.get(engine_id)
         if e is None:
             return False
+        b = e.breaker
+        self._apply(e, b.poll(now), now)
         e.consecutive_successes = 0
-        e.consecutive_failures += 1
         e.last_error = error
-        if e.health is not Health.UNHEALTHY and (
-            immediate or e.consecutive_failures >= self.failure_threshold
-        ):
+        change = b.failure(now, immediate=immediate, probe=probe)
+        self._apply(e, change, now)
+        e.consecutive_failures = max(b.failures, 1)
+        return change is not None and change[1] is BreakerState.OPEN
+
+    def begin_attempt(self, engine_id: str, request_id: str) -> None:
+        """A request goes to the engine; in half-open it holds a trial slot until
+        :meth:`end_attempt` (call both; the end is idempotent)."""
+        e = self._engines.get(engine_id)
+        if e is not None:
+            e.breaker.begin(request_id)
+
+    def end_attempt(self, engine_id: str, request_id: str) -> None:
+        e = self._engines.get(engine_id)
+        if e is not None:
+            e.breaker.end(request_id)
+
+    def retry_after(self, now: float) -> int:
+        """Seconds until the first open engine turns half-open (1 when none is open)."""
+        waits = [
+            e.breaker.open_until - now
+            for e in self._engines.values()
+            if e.breaker.state is BreakerState.OPEN and not e.retired
+        ]
+        return max(1, min(60, math.ceil(min(waits)))) if waits else 1
+
+    def _apply(self, e: EngineState, change: Transition | None, now: float) -> None:
+        if change is None:
+            return
+        old, new = change
+        if new is BreakerState.OPEN:
             e.health = Health.UNHEALTHY
-            e.down_until = now + self.cooldown_s
-            return True
-        return False
+            e.down_until = e.breaker.open_until
+        elif new is BreakerState.CLOSED:
+            e.health = Health.HEALTHY
+            e.last_error = None
+        log.info(
+            "engine %s circuit %s -> %s",
+            e.id,
+            old.value,
+            new.value,
+            extra={
+                "engine": e.id,
+                "breaker": new.value,
+                "trips": e.breaker.trips,
+                "open_s": round(max(0.0, e.breaker.open_until - now), 3),
+            },
+        )
+        if self.on_transition is not None:
+            self.on_transition(e, old, new)
 
     # -- router-side pending prefill accounting ----------------------------------
     def add_pending(self, engine_id: str, request_id: str, tokens: int) -> None:
@@ -195,7 +298,9 @@ class EngineRegistry:
         exclude: Iterable[str] = (),
         queues: RouterQueues | None = None,
     ) -> ClusterView:
-        """Engines serving ``model``; unhealthy or excluded ones are marked unhealthy."""
+        """Engines serving ``model``; unhealthy, excluded and half-open engines without a
+        free trial slot are marked unhealthy."""
+        self.poll()
         excluded = set(exclude)
         views = []
         for e in self._engines.values():
@@ -206,7 +311,7 @@ class EngineRegistry:
                 EngineView(
                     id=e.id,
                     role=e.role,
-                    healthy=e.routable and e.id not in excluded,
+                    healthy=e.admits and e.id not in excluded,
                     num_waiting=int(m.waiting) if m else 0,
                     num_running=int(m.running) if m else 0,
                     pending_prefill_tokens=e.pending_tokens,

@@ -10,7 +10,9 @@ fake tokenizer and a Prometheus registry owned by the app. Routes follow vLLM
 ``--enable-prompt-tokens-details`` for that). ``/load`` counts requests in
 flight (vLLM does with ``--enable-server-load-tracking``), KV pulls included.
 ``POST /kvgate/kv_release`` is kvgate's own: decode engines free the prefill
-KV they read there (NIXL does that over its side channel).
+KV they read there (NIXL does that over its side channel). With a fault set
+(:mod:`gateway.emulator.faults`) a middleware breaks requests as told and
+``/_faults`` switches faults at run time.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.core.errors import KvgateError
-from gateway.emulator import generate
+from gateway.emulator import faults, generate
+from gateway.emulator.fault_middleware import FaultMiddleware
 from gateway.emulator.pd import RELEASE_PATH, release_request
 from gateway.emulator.protocol import (
     ApiError,
@@ -157,4 +160,11 @@ def create_emulator_app(settings: EmulatorSettings | None = None) -> FastAPI:
     app.add_exception_handler(KvgateError, _on_error)
     app.include_router(router)
     app.include_router(generate.router)
+    if settings.fault is not None or settings.fault_admin:  # else: not a single extra call
+        injector = faults.FaultInjector(
+            faults.parse_fault(settings.fault) if settings.fault else None
+        )
+        app.state.faults = injector
+        app.add_middleware(FaultMiddleware, injector=injector)
+        app.include_router(faults.router)
     return app

@@ -35,6 +35,7 @@ class EmulatorSettings:
     ``engine_id`` the NIXL engine id (default: derived from host, port and seed).
     ``host``/``port`` are the address prefill replies advertise; without a port
     (or with a wildcard host) the address the request came in on is used.
+    ``fault``/``fault_admin`` install fault injection (:mod:`gateway.emulator.faults`).
     """
 
     model: str = "kvgate-emulated"
@@ -51,6 +52,10 @@ class EmulatorSettings:
     engine_id: str | None = None
     host: str = "127.0.0.1"
     port: int | None = None
+    fault: str | None = None
+    """``NAME[:ARG]`` of :mod:`gateway.emulator.faults`, active from the start."""
+    fault_admin: bool = False
+    """Serve ``/_faults`` (fault injection at run time) even without ``fault``."""
 
     def kv_engine_id(self) -> str:
         """The engine id prefill replies name: ``engine_id``, else a uuid derived from

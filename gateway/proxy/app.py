@@ -7,14 +7,18 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 
+from gateway.cluster.breaker import breaker_config
 from gateway.cluster.discovery import KubeDiscovery, RegistryMembership
 from gateway.cluster.monitor import EngineMonitor
 from gateway.cluster.registry import EngineRegistry, EngineState
 from gateway.config import Settings
+from gateway.core.errors import ConfigError
 from gateway.core.types import EngineRole
 from gateway.observability import GatewayMetrics
 from gateway.perfmodel.presets import load_preset
@@ -28,6 +32,9 @@ from gateway.proxy.errors import install_handlers
 from gateway.proxy.fastpath import OpenAIFastPath
 from gateway.proxy.forwarder import Forwarder
 from gateway.proxy.kv_bridge import EventBridge
+from gateway.proxy.overload import InFlightCap
+from gateway.proxy.ratelimit import build_limiter
+from gateway.proxy.recorder import Recorder
 from gateway.proxy.routing_key import RoutingKeyer
 from gateway.proxy.token_keys import TokenKeyer
 from gateway.proxy.upstream import HttpcoreUpstream, HttpxUpstream, Timeouts, Upstream
@@ -71,17 +78,53 @@ def adopt_block_size(state: GatewayState) -> None:
         state.keyer.set_block_size(size)
 
 
+def start_recorder(settings: Settings, metrics: GatewayMetrics) -> Recorder | None:
+    """The traffic recorder of ``settings.record`` (started), or None when it is off."""
+    cfg = settings.record
+    if cfg.path is None:
+        return None
+    recorder = Recorder(
+        cfg.path,
+        max_bytes=cfg.max_bytes,
+        backups=cfg.backups,
+        salt=cfg.salt.get_secret_value() if cfg.salt is not None else None,
+        queue_size=cfg.queue_size,
+        registry=metrics.registry,
+    )
+    try:
+        recorder.start()
+    except OSError as exc:
+        raise ConfigError(f"cannot record to {cfg.path}: {exc.strerror or exc}") from None
+    log.info(
+        "recording traffic",
+        extra={"path": cfg.path, "salted": "configured" if cfg.salt else "random"},
+    )
+    return recorder
+
+
+def openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """``GET /openapi.json``: FastAPI's schema, less the 422s it documents for parameter
+    errors (kvgate answers those 400, OpenAI-shaped)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(unused, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
     """The gateway app. ``transport`` replaces the network in tests."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = build_client(settings, transport)
-        registry = EngineRegistry(
-            failure_threshold=settings.health.failure_threshold,
-            recovery_threshold=settings.health.recovery_threshold,
-            cooldown_s=settings.health.cooldown_s,
-        )
+        registry = EngineRegistry(breaker=breaker_config(settings.health))  # random jitter
         for e in settings.engines:
             registry.add(
                 e.url,
@@ -108,6 +151,9 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         )
         metrics = GatewayMetrics()
         metrics.watch_engines(registry, lambda: dict(dispatcher.in_flight))
+        registry.on_transition = lambda e, _old, new: metrics.breaker_transitions.labels(
+            e.id, new.value
+        ).inc()
         monitor = EngineMonitor(
             registry,
             client,
@@ -124,6 +170,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             )
         )
         forwarder = Forwarder(settings, upstream, registry, dispatcher, metrics)
+        forwarder.recorder = start_recorder(settings, metrics)
         app.state.gateway = GatewayState(
             settings=settings,
             client=client,
@@ -135,6 +182,9 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             keyer=RoutingKeyer(settings.block_size or 16, settings.chars_per_token, settings.seed),
         )
         state = app.state.gateway
+        state.limiter = build_limiter(
+            settings.rate_limit, keyed=bool(settings.api_keys), counter=metrics.rate_limited
+        )
         if settings.keying == "tokens":
             state.token_keyer = TokenKeyer(client, registry, seed=settings.vllm_hash_seed)
         bridge = EventBridge(client, dispatcher, metrics) if settings.kv_events else None
@@ -187,10 +237,22 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             await client.aclose()
             if transport is None:
                 await upstream.aclose()
+            if forwarder.recorder is not None:  # after the last request: flush every record
+                await asyncio.to_thread(forwarder.recorder.close)
 
-    app = FastAPI(title="kvgate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="kvgate",
+        version="0.1.0",
+        description="OpenAI-compatible KV-cache-aware routing gateway for vLLM engines",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     install_handlers(app)
     app.add_middleware(OpenAIFastPath)
+    if settings.max_in_flight is not None:  # outermost: counts whole responses, streams too
+        app.add_middleware(InFlightCap, limit=settings.max_in_flight)
     app.include_router(routes_openai.router)
     app.include_router(routes_admin.router)
     app.include_router(routes_admin.admin)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import hmac
 import ipaddress
 from dataclasses import dataclass
+from typing import Annotated
 
 import httpx
-from fastapi import Request
+from fastapi import Request, Security
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from gateway.cluster.kv_events import KVEventSubscriber
 from gateway.cluster.monitor import EngineMonitor
@@ -18,6 +20,7 @@ from gateway.observability import GatewayMetrics
 from gateway.policies.dispatcher import Dispatcher
 from gateway.proxy.errors import ApiError
 from gateway.proxy.forwarder import Forwarder
+from gateway.proxy.ratelimit import RateLimiter
 from gateway.proxy.routing_key import RoutingKeyer
 from gateway.proxy.token_keys import TokenKeyer
 
@@ -36,6 +39,8 @@ class GatewayState:
     keyer: RoutingKeyer
     token_keyer: TokenKeyer | None = None
     kv_events: KVEventSubscriber | None = None
+    limiter: RateLimiter | None = None
+    """Per-client rate limit (``rate_limit``); None when off."""
 
     def slo_for(self, name: str | None) -> SloClass:
         """The SLO class a request asked for (header ``x-kvgate-slo-class``), or the default."""
@@ -64,15 +69,38 @@ def _matches(secret: str, given: str | None) -> bool:
     return given is not None and hmac.compare_digest(secret.encode(), given.encode())
 
 
-async def require_client_key(request: Request) -> None:
-    """When client API keys are configured, one of them must come as a Bearer token."""
-    from gateway.proxy.fastpath import check_client_key
+_CLIENT_KEY = HTTPBearer(
+    auto_error=False,
+    scheme_name="clientKey",
+    description="one of `api_keys` (only when client keys are configured)",
+)
+_ADMIN_BEARER = HTTPBearer(
+    auto_error=False, scheme_name="adminKey", description="`admin_key` as a Bearer token"
+)
+_ADMIN_HEADER = APIKeyHeader(
+    name="X-Admin-Key", auto_error=False, scheme_name="adminKeyHeader", description="`admin_key`"
+)
 
-    check_client_key(get_state(request), request.headers.get("authorization"))
+
+async def require_client_key(
+    request: Request,
+    _documented: Annotated[HTTPAuthorizationCredentials | None, Security(_CLIENT_KEY)],
+) -> None:
+    """When client API keys are configured, one of them must come as a Bearer token; then the
+    client's rate limit (``rate_limit``). The POST routes do the same in the fast path."""
+    from gateway.proxy.fastpath import admit
+
+    route = request.url.path.rsplit("/", 1)[-1] or "v1"
+    admit(get_state(request), route, request.headers.get("authorization"), request.client)
 
 
-async def require_admin(request: Request) -> None:
-    """Admin routes: the admin key when configured, else loopback callers only."""
+async def require_admin(
+    request: Request,
+    _bearer_doc: Annotated[HTTPAuthorizationCredentials | None, Security(_ADMIN_BEARER)],
+    _header_doc: Annotated[str | None, Security(_ADMIN_HEADER)],
+) -> None:
+    """Admin routes: the admin key when configured, else loopback callers only. Client keys
+    never open them (they are compared with ``admin_key`` only)."""
     admin = get_state(request).settings.admin_key
     if admin is not None:
         given = _bearer(request) or request.headers.get("x-admin-key")

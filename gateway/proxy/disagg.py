@@ -79,6 +79,7 @@ async def run_prefill(fwd: Forwarder, ex: Exchange, engine_id: str) -> PrefillOu
         if engine is None or ex.body is None:
             return PrefillOutcome()
         registry.add_pending(engine_id, ex.request_id + "#prefill", ex.info.prompt_tokens)
+        registry.begin_attempt(engine_id, ex.request_id + "#prefill")
         try:
             resp = await fwd.upstream.send(
                 engine.url + ex.path, fwd.headers_for(ex, engine), prefill_body(ex.body)
@@ -118,6 +119,9 @@ async def run_prefill(fwd: Forwarder, ex: Exchange, engine_id: str) -> PrefillOu
         return PrefillOutcome(params=params)
     finally:
         registry.clear_pending(engine_id, ex.request_id + "#prefill")
+        registry.end_attempt(engine_id, ex.request_id + "#prefill")
+        if ok:  # the prefill engine works (its breaker may be half-open)
+            registry.mark_success(engine_id, fwd.clock())
         dispatcher.prefill_done(ex.info, engine_id, fwd.clock(), ok=ok)
         fwd.metrics.pd_legs.labels("remote" if ok else "fallback").inc()
         if ok:

@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.proxy.deps import GatewayState
 from gateway.proxy.errors import ApiError, error_response
+from gateway.proxy.ratelimit import client_ip
 from gateway.proxy.routes_openai import ROUTES, handle_openai
 
 log = logging.getLogger("kvgate.proxy")
@@ -32,21 +33,40 @@ class ClientGoneError(Exception):
     """The client disconnected before its request body arrived."""
 
 
-def check_client_key(state: GatewayState, authorization: str | None) -> None:
+def check_client_key(state: GatewayState, authorization: str | None) -> int | None:
+    """The position in ``api_keys`` of the client's Bearer key (None when no keys are set),
+    or a 401. Constant-time: every key is compared, whichever matched."""
     keys = state.settings.api_keys
     if not keys:
-        return
+        return None
     scheme, _, token = (authorization or "").partition(" ")
     given = token.strip().encode() if scheme.lower() == "bearer" else b""
-    ok = False
-    for key in keys:  # compare with every key: timing does not tell which matched
-        ok |= bool(given) and hmac.compare_digest(key.get_secret_value().encode(), given)
-    if not ok:
+    matched = -1
+    for i, key in enumerate(keys):  # compare with every key: timing does not tell which matched
+        if bool(given) and hmac.compare_digest(key.get_secret_value().encode(), given):
+            matched = i
+    if matched < 0:
         raise ApiError(
             401,
             "missing or invalid API key (send it as 'Authorization: Bearer ...')",
             headers={"WWW-Authenticate": "Bearer"},
         )
+    return matched
+
+
+def admit(state: GatewayState, route: str, authorization: str | None, client: Any) -> None:
+    """Client authentication and rate limit of one ``/v1`` request (401 or 429).
+
+    A per-IP limit comes first (it also slows down key guessing); a per-key one needs the
+    key, so it comes after authentication."""
+    limiter = state.limiter
+    if limiter is None:
+        check_client_key(state, authorization)
+    elif limiter.by_key:
+        limiter.check(f"key:{check_client_key(state, authorization)}", route)
+    else:
+        limiter.check(client_ip(client), route)
+        check_client_key(state, authorization)
 
 
 async def read_asgi_body(receive: Receive, declared: str | None, limit: int) -> bytes:
@@ -108,7 +128,7 @@ class OpenAIFastPath:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         response: Response
         try:
-            check_client_key(state, headers.get("authorization"))
+            admit(state, ROUTES[scope["path"]], headers.get("authorization"), scope.get("client"))
             raw = await read_asgi_body(
                 receive, headers.get("content-length"), state.settings.max_body_bytes
             )

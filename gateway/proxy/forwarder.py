@@ -3,7 +3,10 @@
 The attempt loop: build the view (engines serving the model, minus the ones
 already tried), ask the dispatcher, send. Connection errors, timeouts and 5xx
 answers *before any byte reached the client* are retried on another engine
-with backoff, up to ``retries.max_attempts``. A 4xx from the engine is the
+with backoff, up to ``retries.max_attempts`` and within the retry budget
+(:mod:`gateway.proxy.budget`; past it the request fails fast with a 503). Each
+attempt's outcome feeds the engine's circuit breaker through the registry
+(:mod:`gateway.cluster.breaker`). A 4xx from the engine is the
 client's problem and is passed through. Once streaming has started the
 response is committed: an upstream failure ends the stream with an OpenAI
 error event and ``data: [DONE]``; a client disconnect closes the upstream
@@ -30,8 +33,10 @@ from gateway.core.types import ClusterView, Decision, RequestInfo
 from gateway.observability import GatewayMetrics
 from gateway.policies.dispatcher import Dispatcher
 from gateway.policies.router_queues import QueuedRequest, QueueFullError
+from gateway.proxy.budget import RetryBudget, budget_error
 from gateway.proxy.disagg import decode_body, run_prefill
 from gateway.proxy.errors import ApiError
+from gateway.proxy.recorder import Recorder
 from gateway.proxy.relay import Relay, completion_tokens
 from gateway.proxy.upstream import Upstream, UpstreamConnectError, UpstreamError, UpstreamResponse
 
@@ -61,6 +66,8 @@ class Exchange:
     body: dict[str, Any] | None = None
     payload: bytes = b""
     """What goes to the (decode) engine: ``raw``, or the decode leg's body in P/D."""
+    prefill_engine: str | None = None
+    """The engine that ran this attempt's remote prefill leg (P/D), if any."""
 
 
 class _RetryableError(Exception):
@@ -91,11 +98,27 @@ class Forwarder:
         self.metrics = metrics
         self.clock = clock
         self.policy = dispatcher.policy.name
+        self.recorder: Recorder | None = None
+        self.budget = RetryBudget.from_config(settings.retries)
 
     async def forward(self, ex: Exchange) -> Response:
+        """Route and proxy ``ex``; with a recorder, a request refused here is recorded too."""
+        if self.recorder is None:
+            return await self._forward(ex)
+        try:
+            return await self._forward(ex)
+        except ApiError as exc:
+            self.recorder.record(ex, ok=False, outcome=f"rejected_{exc.status}", output=None)
+            raise
+        except asyncio.CancelledError:
+            self.recorder.record(ex, ok=False, outcome="cancelled", output=None)
+            raise
+
+    async def _forward(self, ex: Exchange) -> Response:
         retries = self.settings.retries
         tried: list[str] = []
         last: _RetryableError | None = None
+        self.budget.request(self.clock())
         for attempt in range(retries.max_attempts):
             view = self._view(ex.model, tried)
             if tried and not any(e.healthy for e in view.engines):
@@ -109,12 +132,14 @@ class Forwarder:
             if decision.hold:
                 engine_id, hit = await self._held(ex)
             ex.payload = ex.raw
+            ex.prefill_engine = None
             if decision.prefill_engine is not None:
                 leg = await run_prefill(self, ex, decision.prefill_engine)
                 if leg.response is not None:  # the prefill engine refused the request
                     self._finish_refused(ex, engine_id)
                     return leg.response
                 if leg.params is not None:
+                    ex.prefill_engine = decision.prefill_engine
                     assert ex.body is not None
                     ex.payload = decode_body(ex.body, leg.params)
                     hit = ex.info.prompt_tokens  # the decode engine loads the prompt's KV
@@ -128,15 +153,23 @@ class Forwarder:
                 continue
             ex.attempts = attempt + 1
             ex.engine = engine.id
+            self.registry.begin_attempt(engine.id, ex.request_id)
             try:
                 if ex.stream:
                     return await self._stream(ex, engine)
                 return await self._unary(ex, engine)
+            except asyncio.CancelledError:  # the client left: free a half-open trial slot
+                self.registry.end_attempt(engine.id, ex.request_id)
+                raise
             except _RetryableError as exc:
                 last = exc
                 self._failed_attempt(ex, engine, exc)
                 tried.append(engine.id)
                 if attempt + 1 < retries.max_attempts:
+                    if not self.budget.allow_retry(self.clock()):
+                        self.metrics.retry_budget_exhausted.labels(ex.route).inc()
+                        self.metrics.requests.labels(ex.route, self.policy, "retry_budget").inc()
+                        raise budget_error(ex.attempts, exc.detail) from None
                     self.metrics.retries.labels(ex.route, exc.reason).inc()
                     await asyncio.sleep(min(retries.backoff_max_s, retries.backoff_s * 2**attempt))
         outcome = "no_engine" if last is None else "engine_error"
@@ -149,7 +182,8 @@ class Forwarder:
                 f"last error: {last.detail}"
             )
         )
-        raise ApiError(503, detail, headers={"Retry-After": "1"})
+        wait = self.registry.retry_after(self.clock()) if last is None else 1
+        raise ApiError(503, detail, headers={"Retry-After": str(wait)})
 
     # -- one attempt -------------------------------------------------------------
     def _view(self, model: str | None, exclude: Sequence[str] = ()) -> ClusterView:
@@ -251,6 +285,8 @@ class Forwarder:
         self.dispatcher.finished(ex.info, engine_id, self.clock(), ok=False)
         self.metrics.requests.labels(ex.route, self.policy, "engine_client_error").inc()
         self.pump(engine_id)
+        if self.recorder is not None:
+            self.recorder.record(ex, ok=False, outcome="engine_client_error", output=None)
 
     def _headers(self, ex: Exchange, engine: EngineState) -> list[tuple[bytes, bytes]]:
         headers = [_JSON, (b"x-request-id", ex.request_id.encode())]
@@ -296,7 +332,8 @@ class Forwarder:
         if ok:
             self.dispatcher.first_token(ex.info, engine.id, now)
             self.metrics.ttft.labels(ex.route).observe(now - ex.started)
-        self.finish(ex, engine, ok=ok, output=output, outcome="ok" if ok else "engine_client_error")
+        outcome = "ok" if ok else "engine_client_error"
+        self.finish(ex, engine, ok=ok, output=output, outcome=outcome, usage=content)
         return Response(
             content=content,
             status_code=resp.status,
@@ -342,6 +379,7 @@ class Forwarder:
 
     # -- bookkeeping -------------------------------------------------------------
     def _failed_attempt(self, ex: Exchange, engine: EngineState, exc: _RetryableError) -> None:
+        self.registry.end_attempt(engine.id, ex.request_id)
         self.registry.clear_pending(engine.id, ex.request_id)
         self.dispatcher.finished(ex.info, engine.id, self.clock(), ok=False)
         self.pump(engine.id)
@@ -362,9 +400,18 @@ class Forwarder:
         )
 
     def finish(
-        self, ex: Exchange, engine: EngineState, *, ok: bool, output: int | None, outcome: str
+        self,
+        ex: Exchange,
+        engine: EngineState,
+        *,
+        ok: bool,
+        output: int | None,
+        outcome: str,
+        usage: bytes = b"",
     ) -> None:
+        """Bookkeeping of a request an engine answered; ``usage``: bytes holding its usage."""
         now = self.clock()
+        self.registry.end_attempt(engine.id, ex.request_id)
         info = ex.info if output is None else replace(ex.info, output_tokens=output)
         self.dispatcher.finished(info, engine.id, now, ok=ok)
         self.pump(engine.id)
@@ -388,6 +435,8 @@ class Forwarder:
                     "duration_s": round(now - ex.started, 6),
                 },
             )
+        if self.recorder is not None:
+            self.recorder.record(ex, ok=ok, outcome=outcome, output=output, usage=usage)
 
 
 def _content_type(resp: UpstreamResponse) -> str:

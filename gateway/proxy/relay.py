@@ -80,7 +80,12 @@ class Relay:
             output = max(0, self.events - 2)  # minus the role chunk and [DONE]: an estimate
         ok = self.outcome == "ok"
         self.fwd.finish(
-            self.ex, self.engine, ok=ok, output=output if ok else None, outcome=self.outcome
+            self.ex,
+            self.engine,
+            ok=ok,
+            output=output if ok else None,
+            outcome=self.outcome,
+            usage=self.tail,
         )
 
 

@@ -15,10 +15,19 @@ from gateway.config import EngineConfig
 from gateway.core.types import EngineRole
 from gateway.proxy.deps import get_state, read_body, require_admin
 from gateway.proxy.errors import ApiError
-from gateway.proxy.schemas import parse_json_object
+from gateway.proxy.schemas import ErrorResponse, body_schema, parse_json_object
 
+
+def _error(description: str) -> dict[str, Any]:
+    return {"model": ErrorResponse, "description": description}
+
+
+_ADMIN_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: _error("admin key missing or wrong (when `admin_key` is set)"),
+    403: _error("no `admin_key` is set and the caller is not on loopback"),
+}
 router = APIRouter()
-admin = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
+admin = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], responses=_ADMIN_ERRORS)
 
 
 @router.get("/health")
@@ -27,7 +36,12 @@ async def health() -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/ready")
+@router.get(
+    "/ready",
+    responses={
+        503: {"description": "no engine can take traffic", "content": {"application/json": {}}}
+    },
+)
 async def ready(request: Request) -> JSONResponse:
     """Readiness: at least one engine can take traffic."""
     state = get_state(request)
@@ -60,6 +74,8 @@ def describe(e: EngineState, in_flight: int, queued: int = 0) -> dict[str, Any]:
         "router_queued": queued,
         "pending_prefill_tokens_est": e.pending_tokens,
         "consecutive_failures": e.consecutive_failures,
+        "breaker": e.breaker.state.value,
+        "breaker_trips": e.breaker.trips,
         "last_error": e.last_error,
         "metrics": None
         if m is None
@@ -99,7 +115,17 @@ class _EngineBody(BaseModel):
     model: str | None = None
 
 
-@admin.post("/engines", status_code=201)
+@admin.post(
+    "/engines",
+    status_code=201,
+    responses={400: _error("invalid engine"), 409: _error("already registered")},
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": body_schema(EngineConfig)}},
+        }
+    },
+)
 async def add_engine(request: Request) -> JSONResponse:
     state = get_state(request)
     body = parse_json_object(await read_body(request, 64 * 1024))
@@ -121,7 +147,10 @@ async def add_engine(request: Request) -> JSONResponse:
     return JSONResponse(describe(engine, 0), status_code=201)
 
 
-@admin.delete("/engines")
+@admin.delete(
+    "/engines",
+    responses={400: _error("`url` missing"), 404: _error("no such engine")},
+)
 async def remove_engine(request: Request, url: str) -> JSONResponse:
     state = get_state(request)
     members = RegistryMembership(state.registry, state.monitor, state.dispatcher, state.kv_events)

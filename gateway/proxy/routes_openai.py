@@ -16,7 +16,14 @@ from gateway.proxy.deps import GatewayState, get_state, read_body, require_clien
 from gateway.proxy.errors import ApiError
 from gateway.proxy.forwarder import FORWARD_HEADERS, Exchange
 from gateway.proxy.routing_key import completion_prompt
-from gateway.proxy.schemas import ChatBody, CompletionBody, parse_json_object, validate
+from gateway.proxy.schemas import (
+    ChatBody,
+    CompletionBody,
+    ErrorResponse,
+    body_schema,
+    parse_json_object,
+    validate,
+)
 
 router = APIRouter(dependencies=[Depends(require_client_key)])
 
@@ -44,6 +51,21 @@ def resolve_model(state: GatewayState, model: str | None) -> str | None:
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 """The proxied routes and their metric label."""
 
+GATEWAY_OWNED_FIELDS = ("kv_transfer_params",)
+"""Body fields only kvgate may set: vLLM's ``kv_transfer_params`` name the host and port an
+engine pulls KV from (P/D), so a client's would make an engine connect where it says."""
+
+
+def forwarded_client_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The client headers passed on (``FORWARD_HEADERS``), less any the client's
+    ``Connection`` header names (hop-by-hop by RFC 9110 §7.6.1)."""
+    out = {k: headers[k] for k in FORWARD_HEADERS if k in headers}
+    connection = headers.get("connection")
+    if out and connection:
+        for token in connection.split(","):
+            out.pop(token.strip().lower(), None)
+    return out
+
 
 async def handle_openai(
     state: GatewayState, path: str, headers: Mapping[str, str], raw: bytes, started: float
@@ -52,6 +74,9 @@ async def handle_openai(
     route = ROUTES[path]
     body: dict[str, Any] = parse_json_object(raw)
     parsed = validate(ChatBody if route == "chat" else CompletionBody, body)
+    for name in GATEWAY_OWNED_FIELDS:
+        if name in body:
+            raise ApiError(400, f"{name} is set by kvgate, not by clients", param=name)
     model = resolve_model(state, parsed.model)
     exact = None
     if state.token_keyer is not None:
@@ -86,7 +111,7 @@ async def handle_openai(
         stream=parsed.stream,
         request_id=rid,
         started=started,
-        client_headers={k: headers[k] for k in FORWARD_HEADERS if k in headers},
+        client_headers=forwarded_client_headers(headers),
         body=body,
     )
     return await state.forwarder.forward(exchange)
@@ -101,20 +126,71 @@ async def _fastapi_handle(request: Request) -> Response:
     return await handle_openai(state, request.url.path, headers, raw, started)
 
 
-@router.post("/v1/completions")
+def _error(description: str) -> dict[str, Any]:
+    return {"model": ErrorResponse, "description": description}
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: _error("invalid request (the field is named in `param`), or the engine's own 400"),
+    401: _error("missing or invalid client API key (when `api_keys` are configured)"),
+    429: _error("rate limited (`rate_limit`) or router queues full; see Retry-After"),
+    503: _error("no healthy engine serves the model, or every attempt failed; Retry-After: 1"),
+}
+_PROXY_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "the engine's answer: JSON, or server-sent events with `stream: true`",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {  # one schema per event; data: a JSON chunk or [DONE]
+                "schema": {
+                    "type": "object",
+                    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+                    "required": ["data"],
+                }
+            },
+        },
+    },
+    **ERROR_RESPONSES,
+    404: _error("the model is not served by any healthy engine (the engine's 404 likewise)"),
+    413: _error("the body is larger than `max_body_bytes`"),
+    "4XX": _error("any other client error an engine answers, passed through unchanged"),
+}
+
+
+def _request_body(model_cls: type[ChatBody] | type[CompletionBody]) -> dict[str, Any]:
+    schema = body_schema(model_cls)
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+# The fast path serves these two routes before FastAPI routing; they stay here as the
+# fallback and so that the OpenAPI schema (GET /openapi.json) describes them.
+@router.post(
+    "/v1/completions",
+    response_class=Response,
+    responses=_PROXY_RESPONSES,
+    openapi_extra=_request_body(CompletionBody),
+)
 async def completions(request: Request) -> Response:
-    """OpenAI completions, proxied (served by :class:`~gateway.proxy.fastpath.OpenAIFastPath`)."""
+    """OpenAI completions, proxied (served by :class:`~gateway.proxy.fastpath.OpenAIFastPath`).
+
+    Only the fields kvgate reads are validated; the rest goes to the engine unchanged."""
     return await _fastapi_handle(request)
 
 
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions",
+    response_class=Response,
+    responses=_PROXY_RESPONSES,
+    openapi_extra=_request_body(ChatBody),
+)
 async def chat_completions(request: Request) -> Response:
     """OpenAI chat completions, proxied (served by the fast path)."""
     return await _fastapi_handle(request)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses={401: ERROR_RESPONSES[401], 429: ERROR_RESPONSES[429]})
 async def models(request: Request) -> JSONResponse:
+    """The union of the models healthy engines serve."""
     state = get_state(request)
     data = [
         {"id": m, "object": "model", "created": 0, "owned_by": "kvgate"}

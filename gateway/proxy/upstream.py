@@ -5,6 +5,9 @@ httpx, without httpx's per-request model building, which costs more than half
 the proxy's CPU time per request). Tests pass an ``httpx`` transport (e.g.
 ``httpx.MockTransport``) and get :class:`HttpxUpstream`. Both raise the same
 :class:`UpstreamError` subclasses, so the forwarder has one retry policy.
+Neither sends hop-by-hop headers (:func:`end_to_end`); responses expose only
+their status, one header lookup and the body, so an engine's hop-by-hop
+headers never reach the client either.
 """
 
 from __future__ import annotations
@@ -56,6 +59,38 @@ class UpstreamResponse(Protocol):
 class Upstream(Protocol):
     async def send(self, url: str, headers: Headers, body: bytes) -> UpstreamResponse: ...
     async def aclose(self) -> None: ...
+
+
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+"""Hop-by-hop headers (RFC 9110 §7.6.1): never sent on to an engine."""
+_FRAMING = frozenset({b"host", b"content-length"})
+"""Set by the upstream client itself, from the engine URL and the body."""
+
+
+def end_to_end(headers: Headers) -> list[tuple[bytes, bytes]]:
+    """``headers`` without hop-by-hop ones, those a ``Connection`` header names, and framing
+    headers (the forwarder sends only its own few headers; this is the last line)."""
+    named: set[bytes] = set()
+    for key, value in headers:
+        if key.lower() == b"connection":
+            named.update(t.strip().lower() for t in value.split(b","))
+    return [
+        (key, value)
+        for key, value in headers
+        if (k := key.lower()) not in HOP_BY_HOP and k not in _FRAMING and k not in named
+    ]
 
 
 def _lookup(headers: Headers, name: bytes) -> bytes | None:
@@ -123,7 +158,11 @@ class HttpcoreUpstream:
         request = httpcore.Request(
             b"POST",
             url,
-            headers=[(b"host", host), (b"content-length", str(len(body)).encode()), *headers],
+            headers=[
+                (b"host", host),
+                (b"content-length", str(len(body)).encode()),
+                *end_to_end(headers),
+            ],
             content=body,
             extensions=self._extensions,
         )
@@ -177,7 +216,7 @@ class HttpxUpstream:
         self._transport = transport
 
     async def send(self, url: str, headers: Headers, body: bytes) -> UpstreamResponse:
-        request = httpx.Request("POST", url, headers=list(headers), content=body)
+        request = httpx.Request("POST", url, headers=end_to_end(headers), content=body)
         try:
             resp = await self._transport.handle_async_request(request)
         except httpx.ConnectError as exc:
