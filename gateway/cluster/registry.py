@@ -170,6 +170,10 @@ class EngineRegistry:
                     seen.setdefault(m, None)
         return list(seen)
 
+    def known_models(self) -> set[str]:
+        """Models any registered engine serves or served, routable or not."""
+        return {m for e in self._engines.values() for m in e.models}
+
     # -- health (the breaker) --------------------------------------------------------
     def poll(self, now: float | None = None) -> None:
         """Move engines whose cooldown is over to half-open."""

@@ -19,6 +19,7 @@ Everything is driven by the ``now`` the caller passes; nothing reads a clock.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -29,6 +30,7 @@ class Node:
     """One run of blocks in the tree."""
 
     __slots__ = (
+        "__weakref__",
         "blocks",
         "children",
         "depth",
@@ -100,7 +102,7 @@ class RadixTree:
         self._cached: dict[EngineId, int] = {}
         self._leaves_cold: OrderedDict[Node, None] = OrderedDict()
         self._leaves_warm: OrderedDict[Node, None] = OrderedDict()
-        self._expiry: deque[tuple[float, Node]] = deque()
+        self._expiry: deque[tuple[float, weakref.ref[Node]]] = deque()
         self._orphans: list[Node] = []  # nodes that lost their last engine: GC candidates
 
     # -- queries -------------------------------------------------------------
@@ -199,7 +201,12 @@ class RadixTree:
                 times.popleft()
             times.append(now)
             node.last_access = now
-            self._expiry.append((now, node))
+            self._expiry.append((now, weakref.ref(node)))  # refs to one node are one object
+        if len(self._expiry) > self.max_blocks:
+            # Bounded: the oldest entries go unprocessed; their nodes still leave through the
+            # block bound (LRU), only their time-based removal is lost.
+            for _ in range(len(self._expiry) - self.max_blocks):
+                self._expiry.popleft()
         self._touch(path, now)
 
     def add_engine(self, path: Sequence[Node], engine: EngineId, now: float) -> None:
@@ -272,8 +279,10 @@ class RadixTree:
         horizon = now - self.window_s
         queue = self._expiry
         while queue and queue[0][0] < horizon:
-            _, node = queue.popleft()
-            self._maybe_drop(node, horizon)
+            _, ref = queue.popleft()
+            node = ref()
+            if node is not None:  # None: removed from the tree (bound) and freed meanwhile
+                self._maybe_drop(node, horizon)
         orphans, self._orphans = self._orphans, []
         for node in orphans:
             if node.parent is not None:  # still in the tree
@@ -319,7 +328,7 @@ class RadixTree:
         if not node.children:
             self._refresh_leaf(node)
         if head.hits:
-            self._expiry.append((head.last_access, head))
+            self._expiry.append((head.last_access, weakref.ref(head)))
         return head
 
     def _drop_engine_subtree(self, node: Node, engine: EngineId) -> int:
@@ -375,6 +384,8 @@ class RadixTree:
             self._lru[engine].pop(node, None)
             self._cached[engine] -= held
         node.engines = {}
+        # The expiry queue holds weak references only: a removed node is freed at once, so
+        # memory follows the tree's bound rather than the request rate.
         self._leaves_cold.pop(node, None)
         self._leaves_warm.pop(node, None)
         self._num_nodes -= 1

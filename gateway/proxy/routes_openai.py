@@ -42,6 +42,10 @@ def resolve_model(state: GatewayState, model: str | None) -> str | None:
             400, "model is required: this gateway serves " + ", ".join(served), param="model"
         )
     if model not in served:
+        if model in state.registry.known_models():  # its engines are all down or tripped
+            raise ApiError(
+                503, f"no healthy engine serves `{model}` right now", headers={"Retry-After": "1"}
+            )
         raise ApiError(
             404, f"The model `{model}` does not exist.", param="model", error_type="not_found_error"
         )
