@@ -357,7 +357,13 @@ class RadixTree:
         self._leaves_warm.pop(node, None)
         if node.children or node.parent is None:
             return
-        (self._leaves_warm if node.engines else self._leaves_cold)[node] = None
+        leaves = self._leaves_warm if node.engines else self._leaves_cold
+        oldest = next(iter(leaves), None)
+        leaves[node] = None
+        if oldest is not None and node.last_access < oldest.last_access:
+            # A parent left childless by an eviction can be older than every leaf: it goes
+            # first, not last (leaves are otherwise refreshed as they are used, newest last).
+            leaves.move_to_end(node, last=False)
 
     def _maybe_drop(self, node: Node, horizon: float) -> None:
         while (

@@ -584,11 +584,6 @@ def test_bound_shortens_paths_leaf_first() -> None:
     check_invariants(tree)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a parent left childless by the bound is queued as the most recently used "
-    "leaf, whatever its last access, so a newer leaf is evicted before it",
-)
 def test_bound_evicts_a_parent_left_childless_in_lru_order() -> None:
     tree = RadixTree(window_s=100, max_blocks=5)
     tree.record(tree.insert([1, 2, 3], 0.0), "x", 0.0)
