@@ -66,7 +66,7 @@ from gateway.perfmodel.engine import EngineCore
 from gateway.perfmodel.model import PerfModel
 from gateway.sim.loop import ClusterSpec, RequestRecord, SimRun
 from gateway.sim.metrics import slo_attainment, summarize
-from gateway.sim.runner import CAPACITY_TARGET, run_policy
+from gateway.sim.runner import CAPACITY_TARGET, run_policy, search_rate
 from gateway.sim.workloads import Workload
 
 BOUND_NAME = "pooled_bound"
@@ -161,37 +161,13 @@ def bound_capacity(
     the same cap (64x) and floor (1/64x) so that policy / bound ratios compare like
     with like. Returns (req/s, simulations run).
     """
-    base = workload.rate
-    runs = 0
 
-    def ok(factor: float) -> bool:
-        nonlocal runs
+    def attainment(factor: float) -> float:
         if factor == 1.0 and first is not None:
-            return slo_attainment(first) >= target
-        runs += 1
-        return slo_attainment(run_bound(workload.scaled(factor), cluster, seed=seed)) >= target
+            return slo_attainment(first)
+        return slo_attainment(run_bound(workload.scaled(factor), cluster, seed=seed))
 
-    if base <= 0:
-        return 0.0, runs
-    lo, hi = 1.0, 2.0
-    if ok(1.0):
-        while ok(hi):
-            lo, hi = hi, hi * 2
-            if hi > 64:
-                return base * lo, runs
-    else:
-        hi, lo = 1.0, 0.5
-        while not ok(lo):
-            hi, lo = lo, lo / 2
-            if lo < 1 / 64:
-                return 0.0, runs
-    for _ in range(steps):
-        mid = (lo + hi) / 2
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-    return base * lo, runs
+    return search_rate(workload.rate, attainment, target, steps, first is not None)
 
 
 def bound_summary(run: SimRun, cluster: ClusterSpec) -> dict[str, Any]:

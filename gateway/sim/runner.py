@@ -71,16 +71,37 @@ def capacity_search(
     1/64 of the rate misses the target. ``ttft_only`` counts the TTFT target alone
     (DualMap's criterion); otherwise both TTFT and TPOT.
     """
-    base = workload.rate
+
+    def attainment(factor: float) -> float:
+        if factor == 1.0 and first is not None:
+            return slo_attainment(first, ttft_only=ttft_only)
+        run = run_policy(name, workload.scaled(factor), cluster, seed=seed, options=options)
+        return slo_attainment(run, ttft_only=ttft_only)
+
+    return search_rate(workload.rate, attainment, target, steps, first is not None)
+
+
+def search_rate(
+    base: float,
+    attainment: Callable[[float], float],
+    target: float,
+    steps: int,
+    free_first: bool = False,
+) -> tuple[float, int]:
+    """The capacity search shared by policies and the pooled bound: the highest rate factor
+    whose ``attainment`` meets ``target``, times ``base``, and the simulations it took.
+
+    Doubles or halves from 1x to bracket the target (capped at 64x, floored at 1/64x:
+    (0.0, runs) then), then bisects ``steps`` times. ``free_first``: the 1x run is
+    already known and not counted.
+    """
     runs = 0
 
     def ok(factor: float) -> bool:
         nonlocal runs
-        if factor == 1.0 and first is not None:
-            return slo_attainment(first, ttft_only=ttft_only) >= target
-        runs += 1
-        run = run_policy(name, workload.scaled(factor), cluster, seed=seed, options=options)
-        return slo_attainment(run, ttft_only=ttft_only) >= target
+        if not (factor == 1.0 and free_first):
+            runs += 1
+        return attainment(factor) >= target
 
     if base <= 0:
         return 0.0, runs
