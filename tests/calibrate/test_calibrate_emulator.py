@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -34,19 +33,13 @@ import pytest
 from gateway.calibrate.client import EngineClient, EngineFacts
 from gateway.calibrate.probes import Probe, ProbePlan, Runner
 from gateway.cli import calibrate
+from gateway.cli.demo import free_port
 from gateway.core.errors import ConfigError
 from gateway.perfmodel.presets import load_preset
 
 ROOT = Path(__file__).resolve().parents[2]
 SCALE = 10.0
 PRESET = "llama3-8b-h100"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from typing import Any
 import httpx
 import yaml
 from openai import APIConnectionError, APIError, APIStatusError, OpenAI
+
+from gateway.cli.demo import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "fault-model"
@@ -35,13 +36,6 @@ HEALTH = {
     "cooldown_max_s": 2.0,
     "cooldown_jitter": 0.1,
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,19 +22,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.cli.demo import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("KVGATE_VLLM_VENV", ROOT / ".venv-vllm"))
 MODEL_DIR = Path(os.environ.get("KVGATE_TINY_MODEL", ROOT / ".cache" / "tiny-llama"))
 MODEL = "tiny-llama"
 BLOCK = 32
 START_TIMEOUT_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass
