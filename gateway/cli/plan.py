@@ -5,18 +5,23 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from gateway.cli.simulate import parse_policy_options
+from gateway.cli.simulate import (
+    add_workload_args,
+    check_policy_names,
+    load_cli_workload,
+    parse_policy_options,
+    progress_printer,
+    workload_line,
+)
 from gateway.core.errors import ConfigError
-from gateway.perfmodel.presets import DEFAULT_PRESET, load_preset
+from gateway.perfmodel.presets import load_preset
 from gateway.policies.registry import POLICIES, create_policy
 from gateway.sim.planner import PlanOptions, PlanResult, plan
 from gateway.sim.plots import plots_available, write_plan_plot
-from gateway.sim.workloads import WorkloadOptions, builtin_slo_classes, load_workload
 
 
 @functools.cache
@@ -34,14 +39,7 @@ def register(sub: Any) -> None:
             "meet their SLO, beside the pooled bound's pool size."
         ),
     )
-    p.add_argument(
-        "--workload",
-        required=True,
-        metavar="SPEC",
-        help="mooncake:PATH, recorded:PATH, azure:PATH or gen:NAME[?key=value&...]",
-    )
-    p.add_argument("--ttft-slo", type=float, default=5.0, metavar="SEC", help="TTFT target (5)")
-    p.add_argument("--tpot-slo", type=float, default=0.1, metavar="SEC", help="TPOT target (0.1)")
+    add_workload_args(p)
     p.add_argument(
         "--attainment",
         type=float,
@@ -55,13 +53,6 @@ def register(sub: Any) -> None:
     )
     rate.add_argument(
         "--rate-scale", type=float, default=None, metavar="X", help="arrivals X times faster"
-    )
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="first N requests only")
-    p.add_argument(
-        "--preset",
-        default=DEFAULT_PRESET,
-        metavar="NAME|FILE",
-        help=f"engine preset or calibrated profile (default {DEFAULT_PRESET})",
     )
     unified = [n for n in POLICIES if not _pd_native(n)]
     p.add_argument(
@@ -82,16 +73,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--kv-bandwidth", type=float, default=25.0, metavar="GBPS", help="P/D KV bandwidth (25)"
     )
-    p.add_argument(
-        "--policy-option",
-        action="append",
-        default=[],
-        metavar="POLICY.KEY=VALUE",
-        help="set a policy knob, e.g. cache_aware.cache_threshold=0.5",
-    )
-    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed (default 0)")
     p.add_argument("--out", default=None, metavar="DIR", help="write results.json and plan.png")
-    p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(handler=run)
 
 
@@ -101,11 +83,7 @@ def _policies(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     names = [p.strip() for p in (args.policies or "").split(",") if p.strip()]
     if given and not names:
         raise ConfigError("--policies is empty")
-    unknown = [p for p in names if p not in POLICIES]
-    if unknown:
-        raise ConfigError(f"unknown policy {unknown[0]!r} (known: {', '.join(POLICIES)})")
-    if len(set(names)) != len(names):
-        raise ConfigError("--policies lists a policy twice")
+    check_policy_names(names)
     if not given:
         names = [n for n in POLICIES if not _pd_native(n)]
     pd: list[str] = []
@@ -137,28 +115,15 @@ def run(args: argparse.Namespace) -> int:
     for name in (*names, *pd):  # fail on bad knobs before loading a large trace
         create_policy(name, options=policy_options.get(name))
     perf = load_preset(args.preset)
-
-    def say(message: str) -> None:
-        if not args.quiet:
-            print(message, file=sys.stderr, flush=True)
-
+    say = progress_printer(args.quiet)
     started = time.perf_counter()
-    wl_opts = WorkloadOptions(
-        block_size=perf.block_size,
-        seed=args.seed,
-        limit=args.limit,
-        slo_classes=builtin_slo_classes(args.ttft_slo, args.tpot_slo),
-    )
-    workload = load_workload(args.workload, wl_opts)
+    workload = load_cli_workload(args, perf.block_size)
     if args.rate is not None or args.rate_scale is not None:
         if workload.rate <= 0:
             raise ConfigError("cannot scale the arrival rate of a workload of one instant")
         factor = args.rate / workload.rate if args.rate is not None else args.rate_scale
         workload = workload.scaled(factor)
-    say(
-        f"workload {args.workload}: {len(workload)} requests over {workload.span:.0f} s "
-        f"({workload.rate:.2f} req/s), loaded in {time.perf_counter() - started:.1f} s"
-    )
+    say(workload_line(args.workload, workload, started))
     opts = PlanOptions(
         policies=names,
         perf=perf,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from gateway.sim.loop import ClusterSpec
 from gateway.sim.plots import plots_available, write_plots
 from gateway.sim.report import render_console, write_report, write_results
 from gateway.sim.runner import SimulateOptions, simulate
-from gateway.sim.workloads import WorkloadOptions, builtin_slo_classes, load_workload
+from gateway.sim.workloads import Workload, WorkloadOptions, builtin_slo_classes, load_workload
 
 DEFAULT_POLICIES = "round_robin,least_loaded,power_of_two,cache_aware,weighted_scorer"
 
@@ -30,12 +31,7 @@ def register(sub: Any) -> None:
             "policy; write results.json, report.md and PNG plots to --out."
         ),
     )
-    p.add_argument(
-        "--workload",
-        required=True,
-        metavar="SPEC",
-        help="mooncake:PATH, recorded:PATH, azure:PATH or gen:NAME[?key=value&...]",
-    )
+    add_workload_args(p)
     p.add_argument(
         "--policies",
         default=DEFAULT_POLICIES,
@@ -44,32 +40,8 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--instances", type=int, default=8, metavar="N", help="engines (default 8)")
     p.add_argument(
-        "--preset",
-        default=DEFAULT_PRESET,
-        metavar="NAME|FILE",
-        help=f"engine performance preset or file (default {DEFAULT_PRESET})",
-    )
-    p.add_argument(
         "--rate-scale", type=float, default=1.0, metavar="X", help="multiply the arrival rate by X"
     )
-    p.add_argument(
-        "--limit", type=int, default=None, metavar="N", help="use only the first N requests"
-    )
-    p.add_argument(
-        "--ttft-slo",
-        type=float,
-        default=5.0,
-        metavar="SEC",
-        help="TTFT target of the 'standard' SLO class (default 5)",
-    )
-    p.add_argument(
-        "--tpot-slo",
-        type=float,
-        default=0.1,
-        metavar="SEC",
-        help="TPOT target of the 'standard' SLO class (default 0.1)",
-    )
-    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed (default 0)")
     p.add_argument(
         "--block-size",
         type=int,
@@ -102,13 +74,6 @@ def register(sub: Any) -> None:
         help="engines use Preble's local priority groups instead of FCFS",
     )
     p.add_argument(
-        "--policy-option",
-        action="append",
-        default=[],
-        metavar="POLICY.KEY=VALUE",
-        help="set a policy knob, e.g. cache_aware.cache_threshold=0.5",
-    )
-    p.add_argument(
         "--no-timing",
         action="store_true",
         help="do not measure decision time (results become byte-identical per seed)",
@@ -117,8 +82,89 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--out", default="kvgate-sim", metavar="DIR", help="output directory (default ./kvgate-sim)"
     )
-    p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(handler=run)
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The flags ``simulate`` and ``plan`` share: workload, SLO, preset, knobs, seed, quiet."""
+    p.add_argument(
+        "--workload",
+        required=True,
+        metavar="SPEC",
+        help="mooncake:PATH, recorded:PATH, azure:PATH or gen:NAME[?key=value&...]",
+    )
+    p.add_argument(
+        "--preset",
+        default=DEFAULT_PRESET,
+        metavar="NAME|FILE",
+        help=f"engine performance preset or calibrated profile (default {DEFAULT_PRESET})",
+    )
+    p.add_argument(
+        "--limit", type=int, default=None, metavar="N", help="use only the first N requests"
+    )
+    p.add_argument(
+        "--ttft-slo",
+        type=float,
+        default=5.0,
+        metavar="SEC",
+        help="TTFT target of the 'standard' SLO class (default 5)",
+    )
+    p.add_argument(
+        "--tpot-slo",
+        type=float,
+        default=0.1,
+        metavar="SEC",
+        help="TPOT target of the 'standard' SLO class (default 0.1)",
+    )
+    p.add_argument(
+        "--policy-option",
+        action="append",
+        default=[],
+        metavar="POLICY.KEY=VALUE",
+        help="set a policy knob, e.g. cache_aware.cache_threshold=0.5",
+    )
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed (default 0)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def check_policy_names(names: list[str]) -> None:
+    """Known policies, each once (``--policies``)."""
+    unknown = [p for p in names if p not in POLICIES]
+    if unknown:
+        raise ConfigError(f"unknown policy {unknown[0]!r} (known: {', '.join(POLICIES)})")
+    if len(set(names)) != len(names):
+        raise ConfigError("--policies lists a policy twice")
+
+
+def progress_printer(quiet: bool) -> Callable[[str], None]:
+    """Progress lines on stderr unless ``quiet``."""
+
+    def say(message: str) -> None:
+        if not quiet:
+            print(message, file=sys.stderr, flush=True)
+
+    return say
+
+
+def load_cli_workload(
+    args: argparse.Namespace, block_size: int, rate_scale: float = 1.0
+) -> Workload:
+    """The ``--workload`` with the shared flags' limit, seed and SLO classes."""
+    options = WorkloadOptions(
+        block_size=block_size,
+        seed=args.seed,
+        limit=args.limit,
+        rate_scale=rate_scale,
+        slo_classes=builtin_slo_classes(args.ttft_slo, args.tpot_slo),
+    )
+    return load_workload(args.workload, options)
+
+
+def workload_line(spec: str, workload: Workload, started: float) -> str:
+    return (
+        f"workload {spec}: {len(workload)} requests over {workload.span:.0f} s "
+        f"({workload.rate:.2f} req/s), loaded in {time.perf_counter() - started:.1f} s"
+    )
 
 
 def _positive(name: str, value: float | None) -> None:
@@ -145,35 +191,17 @@ def run(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise ConfigError("--policies is empty")
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown:
-        raise ConfigError(f"unknown policy {unknown[0]!r} (known: {', '.join(POLICIES)})")
-    if len(set(policies)) != len(policies):
-        raise ConfigError("--policies lists a policy twice")
+    check_policy_names(policies)
     policy_options = parse_policy_options(args.policy_option, policies)
     for name in policies:  # fail on bad knobs before loading a large trace
         create_policy(name, options=policy_options.get(name))
     perf = load_preset(args.preset)
     if args.block_size is not None:
         perf = perf.with_overrides(block_size=args.block_size)
-
-    def say(message: str) -> None:
-        if not args.quiet:
-            print(message, file=sys.stderr, flush=True)
-
+    say = progress_printer(args.quiet)
     started = time.perf_counter()
-    wl_opts = WorkloadOptions(
-        block_size=perf.block_size,
-        seed=args.seed,
-        limit=args.limit,
-        rate_scale=args.rate_scale,
-        slo_classes=builtin_slo_classes(args.ttft_slo, args.tpot_slo),
-    )
-    workload = load_workload(args.workload, wl_opts)
-    say(
-        f"workload {args.workload}: {len(workload)} requests over {workload.span:.0f} s "
-        f"({workload.rate:.2f} req/s), loaded in {time.perf_counter() - started:.1f} s"
-    )
+    workload = load_cli_workload(args, perf.block_size, args.rate_scale)
+    say(workload_line(args.workload, workload, started))
     opts = SimulateOptions(
         policies=policies,
         cluster=ClusterSpec(
