@@ -40,7 +40,7 @@ from typing import Any
 import httpx  # the admin calls of the fault injector only
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
-from procs import MODEL, Proc, free_port, start, start_gateway, wait_for
+from procs import MODEL, Proc, free_port, start_emulator, start_gateway
 
 _WORDS = ("cache", "prefix", "block", "engine", "route", "token", "batch", "queue", "decode")
 
@@ -332,25 +332,15 @@ class Fleet:
     restarts: int = 0
 
     def start(self, index: int) -> Proc:
-        port = self.ports[index]
-        proc = start(
-            [
-                "emulate",
-                "--port",
-                str(port),
-                "--model",
-                MODEL,
-                "--time-scale",
-                str(self.time_scale),
-                "--seed",
-                str(index),
-            ],
-            f"engine{index}-{self.restarts}",
-            port,
+        proc = start_emulator(
             self.logdir,
+            index,
+            time_scale=self.time_scale,
+            port=self.ports[index],
+            name=f"engine{index}-{self.restarts}",
+            timeout=60,
         )
         self.restarts += 1
-        wait_for(proc, "/health", timeout=60)
         return proc
 
 

@@ -73,9 +73,17 @@ def wait_for(proc: Proc, path: str, timeout: float = 30.0) -> None:
 
 
 def start_emulator(
-    logdir: Path, index: int, *, time_scale: float = 0.02, extra: list[str] | None = None
+    logdir: Path,
+    index: int,
+    *,
+    time_scale: float = 0.02,
+    extra: list[str] | None = None,
+    port: int | None = None,
+    name: str | None = None,
+    timeout: float = 30.0,
 ) -> Proc:
-    port = free_port()
+    """An emulated engine on ``port`` (a free one by default), healthy when returned."""
+    port = port or free_port()
     proc = start(
         [
             "emulate",
@@ -89,11 +97,11 @@ def start_emulator(
             str(index),
             *(extra or []),
         ],
-        f"engine{index}",
+        name or f"engine{index}",
         port,
         logdir,
     )
-    wait_for(proc, "/health")
+    wait_for(proc, "/health", timeout=timeout)
     return proc
 
 

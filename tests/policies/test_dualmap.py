@@ -27,6 +27,7 @@ from gateway.sim.loop import ClusterSpec
 from gateway.sim.metrics import summarize
 from gateway.sim.runner import run_policy
 from gateway.sim.workloads import WorkloadOptions, load_workload
+from tests.sim.test_loop import SMALL  # the simulator tests' small engine
 
 BS = 16
 TPS = 1024  # prefill tokens per second
@@ -681,19 +682,6 @@ def test_replicas_agree_on_candidates_after_different_membership_histories() -> 
 
 
 # -- simulator -------------------------------------------------------------------------------------
-SMALL = PerfModel(
-    name="small",
-    prefill_a=2.0,
-    prefill_b=0.05,
-    prefill_c=1e-5,
-    prefill_d=1e-6,
-    decode_e0=8.0,
-    decode_e1=0.05,
-    decode_e2=1e-4,
-    kv_capacity_blocks=3000,
-    max_num_batched_tokens=2048,
-    max_num_seqs=64,
-)
 
 
 def test_simulation_completes_holds_and_is_deterministic() -> None:
