@@ -22,11 +22,18 @@ from gateway.policies.router_queues import QueuedRequest, RouterQueues
 
 @dataclass(frozen=True, slots=True)
 class PolicyContext:
-    """What a policy is built with: a seed for its RNG, the block size, a perf model."""
+    """What a policy is built with: a seed for its RNG, the block size, a perf model.
+
+    ``kv_events`` says the driver delivers the engines' KV cache events
+    (``on_cache_event`` / ``on_cache_reset``): every policy that keeps prefix
+    state then builds it from those events as well as from its own routing, so
+    that gateway replicas agree on what each engine holds.
+    """
 
     seed: int = 0
     block_size: int = 16
     perf: PerfModel | None = None
+    kv_events: bool = False
 
     def rng(self, salt: str = "") -> random.Random:
         """A private RNG, seeded from the context seed and ``salt``."""

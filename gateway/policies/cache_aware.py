@@ -51,7 +51,7 @@ class CacheAwarePolicy(PolicyBase):
 
     def __init__(self, ctx: PolicyContext, config: CacheAwareConfig | None = None) -> None:
         self.config = config or CacheAwareConfig()
-        self.wants_cache_events = self.config.precise
+        self.wants_cache_events = self.config.precise or ctx.kv_events
         self.index = PrefixIndex(self.config.max_tree_blocks)
 
     def decide(self, req: RequestInfo, view: ClusterView, now: float) -> Decision:

@@ -51,7 +51,7 @@ class WeightedScorerPolicy(PolicyBase):
 
     def __init__(self, ctx: PolicyContext, config: WeightedScorerConfig | None = None) -> None:
         self.config = config or WeightedScorerConfig()
-        self.wants_cache_events = self.config.precise
+        self.wants_cache_events = self.config.precise or ctx.kv_events
         cap = self.config.lru_capacity_blocks
         self.index = PrefixIndex(cap if cap > 0 else 1 << 22)
         self._rng = ctx.rng(self.name)
