@@ -26,7 +26,8 @@ from gateway.policies.base import PolicyContext
 from gateway.policies.dispatcher import Dispatcher, PDSettings
 from gateway.policies.registry import create_policy
 from gateway.policies.router_queues import RouterQueues
-from gateway.proxy import routes_admin, routes_openai
+from gateway.proxy import decision_log, routes_admin, routes_openai
+from gateway.proxy.decision_log import record_decisions
 from gateway.proxy.deps import GatewayState
 from gateway.proxy.errors import install_handlers
 from gateway.proxy.fastpath import OpenAIFastPath
@@ -37,7 +38,7 @@ from gateway.proxy.ratelimit import build_limiter
 from gateway.proxy.recorder import Recorder
 from gateway.proxy.routing_key import RoutingKeyer
 from gateway.proxy.token_keys import TokenKeyer
-from gateway.proxy.upstream import HttpcoreUpstream, HttpxUpstream, Timeouts, Upstream
+from gateway.proxy.upstream import HttpUpstream, HttpxUpstream, Timeouts, Upstream
 
 log = logging.getLogger("kvgate")
 
@@ -132,21 +133,19 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
                 model=e.model,
                 api_key=e.api_key.get_secret_value() if e.api_key else None,
             )
-        policy = create_policy(
-            settings.policy.name,
-            PolicyContext(
-                seed=settings.seed,
-                block_size=settings.block_size or 16,
-                perf=load_preset(settings.preset),
-            ),
-            settings.policy.options,
+        ctx = PolicyContext(
+            seed=settings.seed,
+            block_size=settings.block_size or 16,
+            perf=load_preset(settings.preset),
+            kv_events=settings.kv_events,
+            pd=PDSettings(**settings.pd.model_dump()),
         )
+        policy = create_policy(settings.policy.name, ctx, settings.policy.options)
+        policy = record_decisions(policy, ctx, settings)  # decision_log.enabled: a recorder
         dispatcher = Dispatcher(
             policy,
-            pd=PDSettings(
-                min_uncached_tokens=settings.pd.min_uncached_tokens,
-                saturation_tokens=settings.pd.saturation_tokens,
-            ),
+            pd=ctx.pd,
+            perf=ctx.perf,
             queues=RouterQueues(max_total=settings.max_queued, max_per_engine=settings.max_queued),
         )
         metrics = GatewayMetrics()
@@ -164,7 +163,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         upstream: Upstream = (
             HttpxUpstream(transport)
             if transport is not None
-            else HttpcoreUpstream(
+            else HttpUpstream(
                 Timeouts(t.connect_s, t.read_s, t.write_s, t.pool_s),
                 max_connections=settings.max_connections,
             )
@@ -256,4 +255,5 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     app.include_router(routes_openai.router)
     app.include_router(routes_admin.router)
     app.include_router(routes_admin.admin)
+    app.include_router(decision_log.admin)
     return app
