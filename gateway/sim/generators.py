@@ -19,6 +19,9 @@ zipf_hotspot  prefixes=50 prefix_tokens=4000 suffix_tokens=200              6
 no_sharing    prompt_tokens=1000 output_tokens=128                          4
 ============  ===========================================================  ====
 
+``chat`` and ``agent`` (production-shaped sessions after Mooncake's FAST'25
+traces, no 32768 clip) are documented in :mod:`gateway.sim.production`.
+
 Prompts are lists of ``(segment_id, length)`` pieces (see
 :func:`~gateway.core.blocks.hashes_from_segments`): shared content (a tool
 prompt, a document, a system prompt, a hot prefix, a conversation's history)
@@ -40,126 +43,55 @@ prompts.
 
 from __future__ import annotations
 
-import math
 import random
-import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
 from gateway.core.blocks import hashes_from_segments
+from gateway.sim import production
 from gateway.sim.arrivals import ARRIVAL_PARAMS, arrivals_from_params
+from gateway.sim.gen_common import (
+    MAX_TOKENS,
+    Body,
+    Draft,
+    Piece,
+    SegmentIds,
+    Setup,
+    skewed_len,
+    spread_len,
+    zipf_cum_weights,
+)
 from gateway.sim.workloads import (
     GeneratorFn,
     WorkloadOptions,
     WorkloadRequest,
     check_params,
-    float_param,
     int_param,
 )
 
-MAX_TOKENS = 32768
-"""Upper clip of every drawn length (and of a multi-turn prompt)."""
+__all__ = ["GENERATORS", "MAX_TOKENS", "Piece", "SegmentIds", "spread_len", "zipf_cum_weights"]
 
 COMMON_PARAMS = ("n", "seed", *ARRIVAL_PARAMS)
 DEFAULT_N = 1000
-_SIGMA = 0.5
-
-Piece = tuple[int, int]
-"""A prompt piece: ``(segment_id, length)``."""
-
-
-class SegmentIds:
-    """Fresh segment ids for one workload, tagged so that workloads do not collide."""
-
-    def __init__(self, tag: str) -> None:
-        self._base = zlib.crc32(tag.encode("utf-8")) << 32
-        self._next = 0
-
-    def fresh(self) -> int:
-        self._next += 1
-        return self._base + self._next
-
-
-def zipf_cum_weights(count: int, exponent: float) -> list[float]:
-    """Cumulative Zipf weights of ``count`` items, for :meth:`random.Random.choices`."""
-    out: list[float] = []
-    total = 0.0
-    for k in range(count):
-        total += (k + 1.0) ** -exponent  # underflows to 0 rather than overflowing
-        out.append(total)
-    return out
-
-
-def spread_len(rng: random.Random, mean: int) -> int:
-    """A length uniform within ±50% of ``mean``, clipped to [1, MAX_TOKENS]."""
-    lo = min(max(1, mean - mean // 2), MAX_TOKENS)
-    hi = max(lo, min(mean + mean // 2, MAX_TOKENS))
-    return rng.randint(lo, hi)
-
-
-def skewed_len(rng: random.Random, mean: int) -> int:
-    """A lognormal length of mean ``mean`` (σ = 0.5), clipped to [1, MAX_TOKENS]."""
-    value = rng.lognormvariate(math.log(mean) - _SIGMA * _SIGMA / 2, _SIGMA)
-    return max(1, min(MAX_TOKENS, round(value)))
 
 
 @dataclass(frozen=True, slots=True)
 class _Spec:
-    fn: _Body
+    fn: Body
     rate: float
     defaults: Mapping[str, int | float]
 
 
-@dataclass(slots=True)
-class _Draft:
-    arrival: float
-    pieces: list[Piece]
-    output_tokens: int
-    session: str | None = None
-
-
-@dataclass(slots=True)
-class _Setup:
-    name: str
-    params: Mapping[str, str]
-    defaults: Mapping[str, int | float]
-    n: int
-    rng: random.Random
-    times: random.Random
-    ids: SegmentIds
-    arrivals: list[float]
-
-    def get_int(self, key: str, minimum: int = 1) -> int:
-        return int_param(self.params, key, int(self.defaults[key]), minimum=minimum)
-
-    def get_float(self, key: str) -> float:
-        """A float parameter; infinity is capped at 1e9."""
-        return min(float_param(self.params, key, float(self.defaults[key])), 1e9)
-
-    def shared(self, count: int, mean: int) -> list[Piece]:
-        """``count`` shared items, each with its own id and fixed length."""
-        return [(self.ids.fresh(), spread_len(self.rng, mean)) for _ in range(count)]
-
-    def unique(self, mean: int) -> Piece:
-        return (self.ids.fresh(), skewed_len(self.rng, mean))
-
-    def pick(self, items: Sequence[Piece], cum_weights: list[float]) -> Piece:
-        return self.rng.choices(items, cum_weights=cum_weights)[0]
-
-
-_Body = Callable[[_Setup], list[_Draft]]
-
-
-def _prefixed(items: str, item_tokens: str, tail_tokens: str, doc: str) -> _Body:
+def _prefixed(items: str, item_tokens: str, tail_tokens: str, doc: str) -> Body:
     """A generator body: a Zipf-popular shared item, then a unique tail."""
 
-    def body(s: _Setup) -> list[_Draft]:
+    def body(s: Setup) -> list[Draft]:
         shared = s.shared(s.get_int(items), s.get_int(item_tokens))
         weights = zipf_cum_weights(len(shared), s.get_float("zipf"))
         tail, out = s.get_int(tail_tokens), s.get_int("output_tokens")
         return [
-            _Draft(t, [s.pick(shared, weights), s.unique(tail)], skewed_len(s.rng, out))
+            Draft(t, [s.pick(shared, weights), s.unique(tail)], skewed_len(s.rng, out))
             for t in s.arrivals
         ]
 
@@ -178,19 +110,19 @@ _zipf_hotspot = _prefixed(
 )
 
 
-def _no_sharing(s: _Setup) -> list[_Draft]:
+def _no_sharing(s: Setup) -> list[Draft]:
     """Every prompt unique."""
     prompt, out = s.get_int("prompt_tokens"), s.get_int("output_tokens")
-    return [_Draft(t, [s.unique(prompt)], skewed_len(s.rng, out)) for t in s.arrivals]
+    return [Draft(t, [s.unique(prompt)], skewed_len(s.rng, out)) for t in s.arrivals]
 
 
-def _multi_turn(s: _Setup) -> list[_Draft]:
+def _multi_turn(s: Setup) -> list[Draft]:
     """Conversations: each turn's prompt is the previous prompt + answer + a new message."""
     systems = s.shared(s.get_int("systems"), s.get_int("system_tokens"))
     turns, user, out = s.get_int("turns"), s.get_int("user_tokens"), s.get_int("output_tokens")
     think = s.get_float("think")
     stop = 1.0 / turns
-    drafts: list[_Draft] = []
+    drafts: list[Draft] = []
     for j, start in enumerate(s.arrivals):
         if len(drafts) >= s.n:
             break
@@ -204,7 +136,7 @@ def _multi_turn(s: _Setup) -> list[_Draft]:
             history.append(message)
             size += message[1]
             answer = skewed_len(s.rng, out)
-            drafts.append(_Draft(t, list(history), answer, session=f"{s.name}-s{j}"))
+            drafts.append(Draft(t, list(history), answer, session=f"{s.name}-s{j}"))
             history.append((s.ids.fresh(), answer))
             size += answer
             if s.rng.random() < stop:
@@ -248,6 +180,8 @@ _SPECS: dict[str, _Spec] = {
         },
     ),
     "no_sharing": _Spec(_no_sharing, 4.0, {"prompt_tokens": 1000, "output_tokens": 128}),
+    "chat": _Spec(production.chat, production.CHAT_RATE, production.CHAT_DEFAULTS),
+    "agent": _Spec(production.agent, production.AGENT_RATE, production.AGENT_DEFAULTS),
 }
 
 
@@ -257,11 +191,12 @@ def _make(name: str, spec: _Spec) -> GeneratorFn:
         n = int_param(params, "n", DEFAULT_N, minimum=1)
         seed = int_param(params, "seed", options.seed)
         times = random.Random(f"{seed}:{name}:arrivals")
-        setup = _Setup(
+        setup = Setup(
             name=name,
             params=params,
             defaults=spec.defaults,
             n=n,
+            default_rate=spec.rate,
             rng=random.Random(f"{seed}:{name}"),
             times=times,
             ids=SegmentIds(f"{name}:{seed}"),

@@ -19,7 +19,8 @@ from gateway.sim import generators
 from gateway.sim.generators import GENERATORS, MAX_TOKENS
 from gateway.sim.workloads import WorkloadOptions, WorkloadRequest, load_workload
 
-NAMES = ["tool_use", "long_doc_qa", "multi_turn", "zipf_hotspot", "no_sharing"]
+NAMES = ["tool_use", "long_doc_qa", "multi_turn", "zipf_hotspot", "no_sharing", "chat", "agent"]
+SESSIONS = {"multi_turn", "chat", "agent"}
 OPTIONS = WorkloadOptions()
 
 Pieces = list[tuple[int, int]]
@@ -74,7 +75,7 @@ def test_invariants(name: str, block_size: int, pieces: list[Pieces]) -> None:
         assert r.output_tokens >= 1
         assert len(r.block_hashes) == r.prompt_tokens // block_size
         assert r.slo == options.default_class
-        assert (r.session is not None) == (name == "multi_turn")
+        assert (r.session is not None) == (name in SESSIONS)
 
 
 @pytest.mark.parametrize("name", NAMES)
