@@ -163,6 +163,16 @@ class RecordConfig(_Strict):
         return value
 
 
+class DecisionLogConfig(_Strict):
+    """Decision recording: every policy call (inputs, answers, hooks) kept in memory, in
+    order, for ``GET /admin/decisions`` and replay (docs/gateway.md#decision-log)."""
+
+    enabled: bool = Field(default=False, description="record the policy's calls")
+    max_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=1024, description="estimated memory bound; then stops"
+    )
+
+
 class RateLimitConfig(_Strict):
     """Per-client request rate limits on ``/v1/*``: one token bucket per client API key, or
     per client IP; off unless ``requests_per_s`` is set (docs/security.md)."""
@@ -337,6 +347,7 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_requests: bool = True
     record: RecordConfig = Field(default_factory=RecordConfig)
+    decision_log: DecisionLogConfig = Field(default_factory=DecisionLogConfig)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
