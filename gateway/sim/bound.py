@@ -66,7 +66,7 @@ from gateway.perfmodel.engine import EngineCore
 from gateway.perfmodel.model import PerfModel
 from gateway.sim.loop import ClusterSpec, RequestRecord, SimRun
 from gateway.sim.metrics import slo_attainment, summarize
-from gateway.sim.runner import CAPACITY_TARGET, run_policy, search_rate
+from gateway.sim.runner import CAPACITY_TARGET, CAPACITY_TOLERANCE, run_policy, search_rate
 from gateway.sim.workloads import Workload
 
 BOUND_NAME = "pooled_bound"
@@ -152,14 +152,13 @@ def bound_capacity(
     *,
     seed: int = 0,
     target: float = CAPACITY_TARGET,
-    steps: int = 6,
+    steps: int | None = None,
+    tolerance: float = CAPACITY_TOLERANCE,
     first: SimRun | None = None,
 ) -> tuple[float, int]:
-    """The pooled bound's capacity, searched exactly as ``runner.capacity_search`` does.
-
-    Doubling or halving from 1x to bracket ``target``, then ``steps`` bisections;
-    the same cap (64x) and floor (1/64x) so that policy / bound ratios compare like
-    with like. Returns (req/s, simulations run).
+    """The pooled bound's capacity, searched exactly as ``runner.capacity_search`` does
+    (the same bracket, cap, floor and tolerance), so that policy / bound ratios compare
+    like with like. Returns (req/s, simulations run).
     """
 
     def attainment(factor: float) -> float:
@@ -167,7 +166,14 @@ def bound_capacity(
             return slo_attainment(first)
         return slo_attainment(run_bound(workload.scaled(factor), cluster, seed=seed))
 
-    return search_rate(workload.rate, attainment, target, steps, first is not None)
+    return search_rate(
+        workload.rate,
+        attainment,
+        target,
+        tolerance=tolerance,
+        max_steps=steps,
+        free_first=first is not None,
+    )
 
 
 def bound_summary(run: SimRun, cluster: ClusterSpec) -> dict[str, Any]:
@@ -210,7 +216,8 @@ def attach_bound(
     seed: int = 0,
     capacity: bool = False,
     target: float = CAPACITY_TARGET,
-    steps: int = 6,
+    steps: int | None = None,
+    tolerance: float = CAPACITY_TOLERANCE,
 ) -> SimRun:
     """Add ``pooled_bound`` and each policy's ``vs_bound`` to a ``simulate`` results document.
 
@@ -221,7 +228,7 @@ def attach_bound(
     bound = bound_summary(run, cluster)
     if capacity:
         cap, probes = bound_capacity(
-            workload, cluster, seed=seed, target=target, steps=steps, first=run
+            workload, cluster, seed=seed, target=target, steps=steps, tolerance=tolerance, first=run
         )
         bound["capacity_rps"] = cap
         bound["capacity_runs"] = probes

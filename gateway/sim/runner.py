@@ -17,6 +17,9 @@ Progress = Callable[[str], None]
 CAPACITY_TARGET = 0.9
 """Effective request capacity: the highest rate at which this share of requests meets its SLO."""
 
+CAPACITY_TOLERANCE = 0.02
+"""Capacity searches stop when the passing and failing rates are within 2 %."""
+
 
 @dataclass(frozen=True, slots=True)
 class SimulateOptions:
@@ -25,7 +28,9 @@ class SimulateOptions:
     seed: int = 0
     capacity: bool = False
     capacity_target: float = CAPACITY_TARGET
-    capacity_steps: int = 6
+    capacity_steps: int | None = None
+    """Cap on bisection steps (None: bisect until ``capacity_tolerance``)."""
+    capacity_tolerance: float = CAPACITY_TOLERANCE
     policy_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
@@ -47,7 +52,7 @@ def run_policy(
     timer: Callable[[], float] | None = None,
 ) -> SimRun:
     """One simulation of policy ``name`` with a fresh policy object."""
-    ctx = PolicyContext(seed=seed, block_size=workload.block_size, perf=cluster.perf)
+    ctx = PolicyContext(seed=seed, block_size=workload.block_size, perf=cluster.perf, pd=cluster.pd)
     policy = create_policy(name, ctx, options)
     return Simulation(cluster, policy, workload, timer=timer).run()
 
@@ -60,16 +65,17 @@ def capacity_search(
     seed: int = 0,
     options: Mapping[str, Any] | None = None,
     target: float = CAPACITY_TARGET,
-    steps: int = 6,
+    steps: int | None = None,
+    tolerance: float = CAPACITY_TOLERANCE,
     first: SimRun | None = None,
     ttft_only: bool = False,
 ) -> tuple[float, int]:
     """Highest arrival rate (req/s) with SLO attainment >= ``target``, and runs used.
 
-    Scales the workload's arrival times: doubles or halves from 1x to bracket
-    the target, then bisects ``steps`` times. Returns (0.0, runs) when even
-    1/64 of the rate misses the target. ``ttft_only`` counts the TTFT target alone
-    (DualMap's criterion); otherwise both TTFT and TPOT.
+    Scales the workload's arrival times (see :func:`search_rate`: bracket by
+    doubling or halving from 1x, then bisect until the bracket is within
+    ``tolerance``). ``ttft_only`` counts the TTFT target alone (DualMap's
+    criterion); otherwise both TTFT and TPOT.
     """
 
     def attainment(factor: float) -> float:
@@ -78,23 +84,42 @@ def capacity_search(
         run = run_policy(name, workload.scaled(factor), cluster, seed=seed, options=options)
         return slo_attainment(run, ttft_only=ttft_only)
 
-    return search_rate(workload.rate, attainment, target, steps, first is not None)
+    return search_rate(
+        workload.rate,
+        attainment,
+        target,
+        tolerance=tolerance,
+        max_steps=steps,
+        free_first=first is not None,
+    )
 
 
 def search_rate(
     base: float,
     attainment: Callable[[float], float],
     target: float,
-    steps: int,
+    *,
+    tolerance: float = CAPACITY_TOLERANCE,
+    max_steps: int | None = None,
     free_first: bool = False,
 ) -> tuple[float, int]:
-    """The capacity search shared by policies and the pooled bound: the highest rate factor
+    """The capacity search shared by policies and the bounds: the highest rate factor
     whose ``attainment`` meets ``target``, times ``base``, and the simulations it took.
 
-    Doubles or halves from 1x to bracket the target (capped at 64x, floored at 1/64x:
-    (0.0, runs) then), then bisects ``steps`` times. ``free_first``: the 1x run is
-    already known and not counted.
+    1. Bracket: from 1x, double while the factor passes (capped at 64x, which is
+       then returned) or halve while it fails (floored at 1/64x: (0.0, runs) then).
+    2. Bisect the bracket ``lo`` (passes) .. ``hi`` (fails) until ``hi / lo <= 1 +
+       tolerance`` (or after ``max_steps`` bisections, when given), and return
+       ``lo``: a rate that was seen to pass, at most ``tolerance`` below the
+       first failing rate above it. From a factor-2 bracket, ±2 % takes 6 steps.
+
+    Attainment need not be monotone in the rate (a loaded simulation is noisy):
+    the invariant "lo passed, hi failed" holds anyway, so the answer is always a
+    measured passing rate next to a measured failing one. ``free_first``: the
+    1x run is already known and not counted.
     """
+    if tolerance <= 0:
+        raise ValueError(f"tolerance must be positive, got {tolerance}")
     runs = 0
 
     def ok(factor: float) -> bool:
@@ -117,12 +142,14 @@ def search_rate(
             hi, lo = lo, lo / 2
             if lo < 1 / 64:
                 return 0.0, runs
-    for _ in range(steps):
+    steps = 0
+    while hi > lo * (1.0 + tolerance) and (max_steps is None or steps < max_steps):
         mid = (lo + hi) / 2
         if ok(mid):
             lo = mid
         else:
             hi = mid
+        steps += 1
     return base * lo, runs
 
 
@@ -166,6 +193,7 @@ def simulate(
                 options=options,
                 target=opts.capacity_target,
                 steps=opts.capacity_steps,
+                tolerance=opts.capacity_tolerance,
                 first=run,
             )
             summary["capacity_rps"] = cap
