@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import socket
 import sys
 from typing import Any
 
 from gateway.core.errors import ConfigError
 from gateway.emulator.faults import FAULTS, FaultInjector, parse_fault
+from gateway.emulator.kv_publisher import KVEventsConfig
 from gateway.emulator.pd import ROLES
 from gateway.emulator.server import create_emulator_app
 from gateway.emulator.state import EmulatorSettings
@@ -118,6 +120,22 @@ def register(sub: Any) -> None:
         "GET /_faults/log (one entry per generation request); never on a shared network",
     )
     p.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help="publish KV cache events as vLLM does (its KVEventsConfig JSON, e.g. "
+        '\'{"enable_kv_cache_events":true,"endpoint":"tcp://127.0.0.1:0",'
+        '"replay_endpoint":"tcp://127.0.0.1:0"}\'; port 0: a free one; GET /kv_event_sources '
+        "tells where)",
+    )
+    p.add_argument(
+        "--prefix-caching-hash-algo",
+        default="sha256",
+        choices=("sha256", "sha256_cbor"),
+        help="block ids of the KV events, as vLLM's flag (default sha256; seeded by "
+        "$PYTHONHASHSEED like vLLM)",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="uvicorn log level (default info)"
     )
     p.set_defaults(handler=run)
@@ -140,6 +158,16 @@ def settings_from_args(args: argparse.Namespace) -> EmulatorSettings:
     fault = getattr(args, "fault", None)
     if fault is not None:
         parse_fault(fault)  # a one-line error for a bad spec
+    events_json = getattr(args, "kv_events_config", None)
+    kv_events = (
+        KVEventsConfig.parse(
+            events_json,
+            hash_algo=getattr(args, "prefix_caching_hash_algo", "sha256"),
+            hash_seed=os.environ.get("PYTHONHASHSEED"),
+        )
+        if events_json
+        else None
+    )
     return EmulatorSettings(
         model=args.model,
         preset=args.preset,
@@ -157,6 +185,7 @@ def settings_from_args(args: argparse.Namespace) -> EmulatorSettings:
         port=args.port or None,
         fault=fault,
         fault_admin=bool(getattr(args, "fault_admin", False)),
+        kv_events=kv_events,
     )
 
 

@@ -8,6 +8,12 @@ arrays in 0.11/0.20 (``["BlockStored", block_hashes, parent, ...]``); both are
 decoded. Block hashes are 64-bit ints by default, or 32-byte digests (their
 low 64 bits are used). Only the device tier (``medium`` GPU, or absent) counts.
 
+On subscribing, the subscriber first asks the replay socket (when the engine has one)
+for every batch it still buffers, from seq 0 on (``catch_up``): a gateway replica that
+starts or restarts after the engine thus rebuilds what the engine cached, as far back
+as the engine's replay buffer reaches (vLLM's ``buffer_steps``, 10,000 batches);
+live batches the replay already delivered are then skipped.
+
 Sequence numbers are tracked per (engine, rank). On a gap the subscriber asks
 the engine's replay socket (ROUTER) for the missing batches; without one, or
 if replay fails or cannot fill the whole gap, the engine's cached state is
@@ -149,15 +155,23 @@ class KVEventSubscriber:
     """Receives every configured engine's events on the running asyncio loop."""
 
     def __init__(
-        self, listener: Listener, *, hwm: int = 100_000, replay_timeout_s: float = 2.0
+        self,
+        listener: Listener,
+        *,
+        hwm: int = 100_000,
+        replay_timeout_s: float = 2.0,
+        catch_up: bool = True,
     ) -> None:
         self.listener = listener
         self.hwm = hwm
         self.replay_timeout_s = replay_timeout_s
+        self.catch_up = catch_up
         self._ctx = zmq.asyncio.Context()
         self._tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._stopping: set[asyncio.Task[None]] = set()
         self._seq: dict[tuple[str, int], int] = {}
+        self._caught_up: set[tuple[str, int]] = set()
+        """Keys whose sequence came from a catch-up replay: live duplicates are skipped."""
         self.batches = 0
         """Batches delivered, replayed ones included."""
         self.replayed = 0
@@ -185,6 +199,7 @@ class KVEventSubscriber:
             task.add_done_callback(self._stopping.discard)
         for k in [k for k in self._seq if k[0] == engine]:
             del self._seq[k]
+            self._caught_up.discard(k)
 
     async def aclose(self) -> None:
         tasks = [*self._tasks.values(), *self._stopping]
@@ -221,6 +236,8 @@ class KVEventSubscriber:
             log.info(
                 "subscribed to KV events", extra={"engine": src.engine, "endpoint": src.endpoint}
             )
+            if self.catch_up and src.replay is not None:
+                await self._catch_up(src)
             while True:
                 frames = await sock.recv_multipart()
                 await self._handle(src, frames)
@@ -255,6 +272,10 @@ class KVEventSubscriber:
             return
         key = (src.engine, rank)
         last = self._seq.get(key)
+        if key in self._caught_up:
+            if last is not None and seq <= last:
+                return  # the catch-up replay delivered it already
+            self._caught_up.discard(key)
         if last is not None and seq != last + 1:
             self.gaps += 1
             if seq <= last:  # the engine restarted: its counter began again
@@ -314,6 +335,41 @@ class KVEventSubscriber:
             return False
         finally:
             sock.close(linger=0)
+
+    async def _catch_up(self, src: Source) -> None:
+        """Deliver every batch the engine still buffers (those before its oldest are gone)."""
+        sock = self._socket(zmq.DEALER, src.replay or "")
+        timeout = self.replay_timeout_s
+        replayed = 0
+        try:
+            sock.connect(src.replay or "")
+            await asyncio.wait_for(sock.send_multipart([b"", (0).to_bytes(8, "big")]), timeout)
+            while True:
+                frames = await asyncio.wait_for(sock.recv_multipart(), timeout)
+                if frames and frames[0] == b"":
+                    frames = frames[1:]
+                if len(frames) not in (2, 3) or len(frames[-2]) != 8:
+                    raise ValueError(f"unexpected replay reply of {len(frames)} frames")
+                if frames[-2] == END_SEQ:
+                    break
+                seq = int.from_bytes(frames[-2], "big", signed=True)
+                rank, delta = decode_batch(frames[-1])
+                key = (src.engine, rank)
+                last = self._seq.get(key)
+                if last is not None and seq <= last:
+                    continue
+                self._seq[key] = seq
+                self._caught_up.add(key)
+                self.batches += 1
+                self.replayed += 1
+                replayed += 1
+                self._deliver(src.engine, delta)
+        except (TimeoutError, zmq.ZMQError, ValueError) as exc:
+            log.warning("KV event catch-up from %s failed: %r", src.engine, exc)
+        finally:
+            sock.close(linger=0)
+        if replayed:
+            log.info("caught up on %d KV event batches of %s", replayed, src.engine)
 
     def _reset(self, engine: str, why: str) -> None:
         self.resets += 1

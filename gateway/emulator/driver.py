@@ -33,6 +33,7 @@ from gateway.emulator.handle import (
     RequestRejectedError,
     TokenDelta,
 )
+from gateway.emulator.kv_publisher import KVEventPublisher
 from gateway.emulator.kvpins import DEFAULT_LEASE, KvPins
 from gateway.emulator.tokenizer import natural_length, prompt_digest
 from gateway.perfmodel.engine import EngineCore, EngineRequest, StepOutcome
@@ -77,11 +78,20 @@ class EngineDriver:
         observer: DriverObserver | None = None,
         priority_groups: bool = False,
         kv_lease: float = DEFAULT_LEASE,
+        kv_events: KVEventPublisher | None = None,
     ) -> None:
         if not time_scale > 0:
             raise ValueError(f"time_scale must be positive, got {time_scale}")
         self.model = model
-        self.core = EngineCore(engine_id, model, max_decode_run=1, priority_groups=priority_groups)
+        self.kv_events = kv_events
+        """Publishes the prefix cache's stored and evicted blocks (vLLM's KV events)."""
+        self.core = EngineCore(
+            engine_id,
+            model,
+            max_decode_run=1,
+            priority_groups=priority_groups,
+            track_cache_events=kv_events is not None,
+        )
         self.time_scale = time_scale
         self.seed = seed
         self.observer = observer
@@ -212,6 +222,8 @@ class EngineDriver:
         handle = GenerationHandle(req, digest=digest, max_tokens=max_tokens, finish_reason=reason)
         handle.pin_id = pin_id
         req.payload = handle
+        if self.kv_events is not None:
+            self.kv_events.on_submit(req.id, token_ids, req.block_hashes)
         self.core.submit(req)
         self._handles[req.id] = handle
         self._wake.set()
@@ -223,6 +235,8 @@ class EngineDriver:
         if handle is None:
             return False
         self.core.abort(request_id)
+        if self.kv_events is not None:
+            self.kv_events.on_done(request_id)
         handle.finish("abort")
         if self.observer is not None:
             self.observer.on_finished(handle, "abort", self.now())
@@ -289,6 +303,8 @@ class EngineDriver:
         end = out.end
         if observer is not None:
             observer.on_step(out)
+        if self.kv_events is not None:
+            self.kv_events.on_step(out.stored, out.removed)
         for req, count in out.tokens:
             handle = handles.get(req.id)
             if handle is None:
@@ -302,6 +318,8 @@ class EngineDriver:
             if observer is not None:
                 observer.on_tokens(handle, count, gap)
         for req in out.finished:
+            if self.kv_events is not None:
+                self.kv_events.on_done(req.id)
             handle = handles.pop(req.id, None)
             if handle is None:
                 continue

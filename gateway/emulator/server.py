@@ -5,7 +5,8 @@
 fake tokenizer and a Prometheus registry owned by the app. Routes follow vLLM
 0.33: ``/v1/completions`` and ``/v1/chat/completions`` (JSON or SSE, see
 :mod:`gateway.emulator.generate`), ``/v1/models``, ``/health``, ``/tokenize``,
-``/detokenize``, ``/load``, ``/version`` and ``/metrics``. Usage always carries
+``/detokenize``, ``/load``, ``/version``, ``/metrics``, ``/kv_event_sources`` and
+``POST /reset_prefix_cache`` (KV events: :mod:`gateway.emulator.kv_publisher`). Usage always carries
 ``prompt_tokens_details.cached_tokens`` (a real vLLM needs
 ``--enable-prompt-tokens-details`` for that). ``/load`` counts requests in
 flight (vLLM does with ``--enable-server-load-tracking``), KV pulls included.
@@ -29,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.core.errors import KvgateError
 from gateway.emulator import faults, generate
 from gateway.emulator.fault_middleware import FaultMiddleware
+from gateway.emulator.kv_publisher import reset_prefix_cache
 from gateway.emulator.pd import RELEASE_PATH, release_request
 from gateway.emulator.protocol import (
     ApiError,
@@ -124,6 +126,19 @@ async def kv_release(request: Request, state: StateDep) -> dict[str, bool]:
     return {"released": state.kv.release(pin_id)}
 
 
+@router.get("/kv_event_sources")
+async def kv_event_sources(state: StateDep) -> dict[str, Any]:
+    """Where this engine publishes KV events, per DP rank (empty when it does not)."""
+    return state.kv_events.sources() if state.kv_events is not None else {}
+
+
+@router.post("/reset_prefix_cache")
+async def reset_cache(state: StateDep) -> Response:
+    """Drop the prefix cache's unused blocks (vLLM serves this in dev mode)."""
+    reset_prefix_cache(state.driver.core.pool, state.kv_events)
+    return Response(status_code=200)
+
+
 @router.get("/version")
 async def version() -> dict[str, str]:
     return {"version": VERSION}
@@ -148,6 +163,8 @@ def create_emulator_app(settings: EmulatorSettings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = build_state(settings, perf)
+        if state.kv_events is not None:
+            state.kv_events.start()
         await state.driver.start()
         app.state.emulator = state
         try:
@@ -155,6 +172,8 @@ def create_emulator_app(settings: EmulatorSettings | None = None) -> FastAPI:
         finally:
             await state.kv.close()
             await state.driver.stop()
+            if state.kv_events is not None:
+                await state.kv_events.close()
 
     app = FastAPI(title="kvgate engine emulator", version=VERSION, lifespan=lifespan)
     app.add_exception_handler(KvgateError, _on_error)

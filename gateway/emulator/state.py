@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.core.errors import ConfigError
 from gateway.emulator.driver import EngineDriver, GenerationHandle
+from gateway.emulator.kv_publisher import KVEventPublisher, KVEventsConfig
 from gateway.emulator.kvpins import DEFAULT_LEASE
 from gateway.emulator.kvtransfer import KvTransfer, TransferMetrics
 from gateway.emulator.metrics import EmulatorMetrics
@@ -56,6 +57,8 @@ class EmulatorSettings:
     """``NAME[:ARG]`` of :mod:`gateway.emulator.faults`, active from the start."""
     fault_admin: bool = False
     """Serve ``/_faults`` (fault injection at run time) even without ``fault``."""
+    kv_events: KVEventsConfig | None = None
+    """Publish vLLM's KV cache events (:mod:`gateway.emulator.kv_publisher`); None: off."""
 
     def kv_engine_id(self) -> str:
         """The engine id prefill replies name: ``engine_id``, else a uuid derived from
@@ -104,6 +107,7 @@ class EmulatorState:
     kv: KvTransfer
     engine_id: str
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
+    kv_events: KVEventPublisher | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     def check_model(self, name: str | None) -> None:
@@ -132,6 +136,8 @@ class EmulatorState:
 def build_state(settings: EmulatorSettings, perf: PerfModel) -> EmulatorState:
     """A fresh engine driver with its metrics on a new registry (not started)."""
     registry = CollectorRegistry()
+    events = settings.kv_events
+    publisher = KVEventPublisher(events, perf.block_size) if events is not None else None
     driver = EngineDriver(
         perf,
         engine_id=settings.engine_index,
@@ -139,6 +145,7 @@ def build_state(settings: EmulatorSettings, perf: PerfModel) -> EmulatorState:
         seed=settings.seed,
         priority_groups=settings.priority_groups,
         kv_lease=settings.kv_lease_s,
+        kv_events=publisher,
     )
     tokens = perf.kv_capacity_blocks * perf.block_size
     cache_info = {
@@ -152,7 +159,7 @@ def build_state(settings: EmulatorSettings, perf: PerfModel) -> EmulatorState:
         "num_cpu_blocks": "None",
         "num_gpu_blocks": str(perf.kv_capacity_blocks),
         "num_gpu_blocks_override": "None",
-        "prefix_caching_hash_algo": "xxhash",
+        "prefix_caching_hash_algo": events.hash_algo if events is not None else "xxhash",
         "sliding_window": "None",
     }
     engine_id = settings.kv_engine_id()
@@ -170,7 +177,7 @@ def build_state(settings: EmulatorSettings, perf: PerfModel) -> EmulatorState:
         cache_info=cache_info,
         deferred=lambda: kv.in_flight,
     )
-    return EmulatorState(settings, perf, driver, registry, kv, engine_id)
+    return EmulatorState(settings, perf, driver, registry, kv, engine_id, kv_events=publisher)
 
 
 def get_state(request: Request) -> EmulatorState:

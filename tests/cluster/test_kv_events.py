@@ -281,7 +281,7 @@ async def collector() -> Collector:
 
 @pytest.fixture
 async def sub(collector: Collector) -> AsyncIterator[KVEventSubscriber]:
-    s = KVEventSubscriber(collector, replay_timeout_s=0.3)
+    s = KVEventSubscriber(collector, replay_timeout_s=0.3, catch_up=False)
     yield s
     await s.aclose()
 
@@ -730,7 +730,7 @@ async def test_a_failing_listener_does_not_end_the_subscription(
         if len(got) == 1:
             raise RuntimeError("policy bug")
 
-    sub = KVEventSubscriber(listener)
+    sub = KVEventSubscriber(listener, catch_up=False)
     try:
         pub = make_pub()
         await subscribe(sub, ("e1", pub))
@@ -758,7 +758,7 @@ async def test_what_a_busy_gateway_buffers_is_bounded_by_the_hwm(hwm: int) -> No
             done.wait(5.0)  # the event loop is stuck until the publisher gives up
 
     burst = 1500
-    sub = KVEventSubscriber(listener, hwm=hwm)
+    sub = KVEventSubscriber(listener, hwm=hwm, catch_up=False)
     ctx = zmq.Context()
     pub = ctx.socket(zmq.XPUB)  # a plain (thread) publisher: it must run while the loop cannot
     try:
@@ -813,3 +813,63 @@ async def test_aclose_ends_everything(
     await sub.aclose()
     assert all(t.done() for t in tasks)
     assert not sub.subscribed("e1")
+
+
+# -- catch-up: a subscriber that starts late rebuilds the engine's state from its replay buffer
+async def test_a_late_subscriber_catches_up_from_the_replay_buffer(
+    make_pub: Callable[..., Publisher], collector: Collector
+) -> None:
+    """Batches published before the subscription are replayed from seq 0; live batches the
+    replay already delivered are skipped, later ones continue the sequence (no reset)."""
+    pub = make_pub(topic=b"kv")
+    for i in range(3):  # nobody listens yet: lost live, kept in the replay buffer
+        await pub.send(stored([i]), drop=True)
+    sub = KVEventSubscriber(collector, replay_timeout_s=0.5)
+    try:
+        sub.start([pub.source("e1")])
+        await pub.wait_subscribed()
+        await collector.wait(3)
+        assert pub.replay_requests == [0]
+        await pub.send_raw(payload(stored([1])), seq=2)  # a live copy of a replayed batch
+        await pub.send(stored([3]))  # seq 3: next in sequence
+        await collector.wait(4)
+        await quiet()
+        assert [d.stored for d in collector.of("e1")] == [[0], [1], [2], [3]]
+        assert (sub.replayed, sub.resets, sub.gaps) == (3, 0, 0)
+    finally:
+        await sub.aclose()
+
+
+async def test_catch_up_from_a_buffer_that_lost_its_oldest_batches(
+    make_pub: Callable[..., Publisher], collector: Collector
+) -> None:
+    """A buffer that no longer holds seq 0 replays what it has; nothing is reset."""
+    pub = make_pub(buffer_steps=2)
+    for i in range(4):
+        await pub.send(stored([i]), drop=True)
+    sub = KVEventSubscriber(collector, replay_timeout_s=0.5)
+    try:
+        sub.start([pub.source("e1")])
+        await collector.wait(2)
+        await quiet()
+        assert [d.stored for d in collector.of("e1")] == [[2], [3]]
+        assert sub.resets == 0
+    finally:
+        await sub.aclose()
+
+
+async def test_a_mute_replay_socket_delays_but_does_not_stop_the_subscription(
+    make_pub: Callable[..., Publisher], collector: Collector
+) -> None:
+    pub = make_pub()
+    pub.replay_mode = "mute"
+    sub = KVEventSubscriber(collector, replay_timeout_s=0.2)
+    try:
+        sub.start([pub.source("e1")])
+        await pub.wait_subscribed()
+        await asyncio.sleep(0.3)  # past the catch-up timeout
+        await pub.send(stored([7]))
+        await collector.wait(1)
+        assert collector.of("e1")[0].stored == [7]
+    finally:
+        await sub.aclose()
