@@ -115,7 +115,8 @@ def _run_with_perf(
     from gateway.policies.registry import create_policy
     from gateway.sim.loop import Simulation
 
-    policy = create_policy(name, PolicyContext(block_size=wl.block_size, perf=router_perf))
+    ctx = PolicyContext(block_size=wl.block_size, perf=router_perf, pd=cluster.pd)
+    policy = create_policy(name, ctx)
     return summarize(Simulation(cluster, policy, wl).run())
 
 

@@ -73,13 +73,24 @@ def _default_slos() -> dict[str, SloConfig]:
 
 
 class PDConfig(_Strict):
-    """Conditional disaggregation (when prefill and decode engines are both configured)."""
+    """Conditional disaggregation: when a request's prefill runs on the prefill pool
+    (docs/disaggregation.md; the rule of :mod:`gateway.policies.pd_rule`)."""
 
     min_uncached_tokens: int = Field(
-        default=256, ge=0, description="prefill on the decode engine below this many uncached"
+        default=16, ge=0, description="local prefill below this many uncached tokens (llm-d)"
     )
-    saturation_tokens: int = Field(
-        default=65_536, ge=1, description="prefill pool saturated: every engine has this pending"
+    max_local_tokens: int = Field(
+        default=2048,
+        ge=0,
+        description="local prefill only below this many uncached tokens... (Dynamo, with:)",
+    )
+    max_local_ratio: float = Field(
+        default=0.7, ge=0, le=1, description="...and below this uncached share of the prompt"
+    )
+    saturation_wait_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="local prefill when the prefill pool's predicted wait is longer (seconds)",
     )
 
 

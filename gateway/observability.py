@@ -135,6 +135,14 @@ class GatewayMetrics:
             ["mode"],
             registry=r,
         )
+        self.pd_decisions = Counter(
+            "kvgate_pd_decisions",
+            "Where each routing decision placed the prefill, and why (docs/disaggregation.md): "
+            "remote_long, remote_uncached, local_short, local_cached, local_saturated, "
+            "local_no_prefill, remote_priced/local_priced (a policy's own rule), unified",
+            ["reason"],
+            registry=r,
+        )
         self.pd_prefill_seconds = Histogram(
             "kvgate_pd_prefill_seconds",
             "Duration of prefill legs (P/D)",

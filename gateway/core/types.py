@@ -158,6 +158,8 @@ class Decision:
     is set). ``hold`` asks the dispatcher to keep the request in ``engine``'s
     router queue instead of sending it now. ``expected_hit_tokens`` is the
     policy's estimate of the prompt tokens already cached on the target.
+    ``pd_reason`` says, in a disaggregated cluster, why the prefill runs where it does
+    (:class:`gateway.policies.pd_rule.PDReason`); empty in a unified pool.
     """
 
     engine: EngineId
@@ -166,6 +168,7 @@ class Decision:
     expected_hit_tokens: int = 0
     reason: str = ""
     candidates: tuple[EngineId, ...] = ()
+    pd_reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from gateway.core.errors import ConfigError
 from gateway.core.types import ClusterView, Decision, EngineId, EngineView, Migration, RequestInfo
 from gateway.perfmodel.model import PerfModel
+from gateway.policies.pd_rule import PDSettings
 from gateway.policies.router_queues import QueuedRequest, RouterQueues
 
 
@@ -28,12 +29,15 @@ class PolicyContext:
     (``on_cache_event`` / ``on_cache_reset``): every policy that keeps prefix
     state then builds it from those events as well as from its own routing, so
     that gateway replicas agree on what each engine holds.
+    ``pd`` holds the thresholds of the P/D rule (:mod:`gateway.policies.pd_rule`) that
+    ``pd_native`` policies apply (the dispatcher applies the same rule in pair mode).
     """
 
     seed: int = 0
     block_size: int = 16
     perf: PerfModel | None = None
     kv_events: bool = False
+    pd: PDSettings = field(default_factory=PDSettings)
 
     def rng(self, salt: str = "") -> random.Random:
         """A private RNG, seeded from the context seed and ``salt``."""

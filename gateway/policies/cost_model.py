@@ -17,12 +17,22 @@ performance model (calibrate it: ``kvgate calibrate``):
   queue; a local prefill also delays the engine's running decodes
   (``interference_weight``).
 
-The option with the least added completion time among those meeting the
-request's TTFT and TPOT targets wins. When none does (scarcity), greedy
-minimisation piles work on one engine, so the router spreads instead: the
-least loaded pair, rotating among equals (``scarcity_guard``). Remote prefill
-is only considered when at least ``min_uncached_tokens`` are not cached on the
-decode engine. In a unified pool only local options exist.
+Which options exist follows the P/D rule (:mod:`gateway.policies.pd_rule`, the
+same rule the dispatcher applies in pair mode): for each decode engine the rule
+says whether this request prefills there (local) or on the prefill pool (remote),
+and only options of that kind are priced for that decode engine. The pricing then
+chooses *which* engines: the option with the least added completion time among
+those meeting the request's TTFT and TPOT targets wins; options within
+``tie_s`` of it are equal, and among equals the decode engine with the fewest
+requests in flight, then the one chosen least recently, wins (so a sequence of
+requests does not pile on one idle-looking engine). Decode pricing counts the
+slow-down a request adds to the requests already decoding there (``decode_e1``
+per step each). With ``follow_pd_rule=false`` the cost model overrides the rule:
+every local and remote option (remote from ``pd.min_uncached_tokens`` uncached
+tokens) is priced, and a choice against the rule is labelled ``*_priced``.
+When no option meets the targets (scarcity), greedy minimisation piles work on
+one engine, so the router spreads instead: the least loaded option, rotating
+among equals (``scarcity_guard``). In a unified pool only local options exist.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from gateway.core.types import ClusterView, Decision, EngineId, EngineRole, Engi
 from gateway.perfmodel.model import PerfModel
 from gateway.policies.base import PolicyBase, PolicyContext
 from gateway.policies.output_predictor import OutputPredictor
+from gateway.policies.pd_rule import PDReason, PDRule, predicted_wait
 from gateway.policies.prefix_index import PrefixIndex
 
 _FALLBACK = PerfModel(
@@ -53,16 +64,21 @@ _FALLBACK = PerfModel(
 @dataclass(frozen=True, slots=True)
 class CostModelConfig:
     kv_bandwidth_gbps: float = 25.0
-    min_uncached_tokens: int = 256
     kv_pressure_threshold: float = 0.9
     preemption_penalty: float = 2.0
     interference_weight: float = 1.0
     default_output_tokens: int = 128
     scarcity_guard: bool = True
+    follow_pd_rule: bool = True
+    """Local or remote prefill as the P/D rule says; false: as the prices say."""
+    tie_s: float = 0.001
+    """Options whose added completion times differ by less than this are equal."""
 
     def __post_init__(self) -> None:
         if self.kv_bandwidth_gbps <= 0 or self.preemption_penalty < 1:
             raise ValueError("kv_bandwidth_gbps must be positive, preemption_penalty >= 1")
+        if self.tie_s < 0:
+            raise ValueError("tie_s must be >= 0")
         if not 0 < self.kv_pressure_threshold <= 1:
             raise ValueError("kv_pressure_threshold must be within (0, 1]")
 
@@ -75,6 +91,7 @@ class _Option:
     decode: EngineView
     prefill: EngineView | None
     hit: int
+    reason: PDReason | None
 
 
 class CostModelPolicy(PolicyBase):
@@ -84,25 +101,28 @@ class CostModelPolicy(PolicyBase):
     def __init__(self, ctx: PolicyContext, config: CostModelConfig | None = None) -> None:
         self.config = config or CostModelConfig()
         self.perf = ctx.perf or _FALLBACK
+        self.rule = PDRule(ctx.pd, self.perf)
         self.spt = self.perf.seconds_per_prefill_token()
         self.predictor = OutputPredictor(default=float(self.config.default_output_tokens))
         self.cache = PrefixIndex(1 << 22)
         self._capacity: dict[EngineId, int] = {}
         self._rotation = 0
+        self._last_used: dict[EngineId, int] = {}
 
     # -- pricing -----------------------------------------------------------------
     def _decode_side(self, d: EngineView, req: RequestInfo, out: float) -> tuple[float, float]:
-        """(time spent decoding incl. queue, TPOT) of ``req`` on ``d``."""
+        """(time spent decoding incl. queue and the slow-down of the others, TPOT) on ``d``."""
         perf = self.perf
         cap = d.kv_capacity_blocks or perf.kv_capacity_blocks
         used_tokens = d.kv_usage * cap * perf.block_size
-        batch = d.num_running + 1
-        step = perf.decode_step_time(batch, int(used_tokens + req.prompt_tokens + out / 2))
+        others = max(d.num_running, d.in_flight)  # in flight: routed here, not yet scraped
+        step = perf.decode_step_time(others + 1, int(used_tokens + req.prompt_tokens + out / 2))
         after = (d.kv_usage * cap + perf.blocks_for(req.prompt_tokens + int(out))) / cap
         tpot = step * (
             self.config.preemption_penalty if after > self.config.kv_pressure_threshold else 1.0
         )
-        return out * tpot + d.num_waiting * step, tpot
+        slow_down = self.config.interference_weight * others * perf.decode_e1 / 1000.0 * out
+        return out * tpot + d.num_waiting * step + slow_down, tpot
 
     def _options(self, req: RequestInfo, view: ClusterView) -> list[_Option]:
         cfg = self.config
@@ -111,32 +131,50 @@ class CostModelPolicy(PolicyBase):
         matched = self.cache.match(req.block_hashes)
         bs = req.block_size
         limit = max(0, req.prompt_tokens - 1)
-        transfer = req.prompt_tokens * perf.kv_bytes_per_token / (cfg.kv_bandwidth_gbps * 1e9)
+        per_token_transfer = perf.kv_bytes_per_token / (cfg.kv_bandwidth_gbps * 1e9)
         disagg = view.disaggregated
         decodes = view.pool(EngineRole.DECODE).healthy() if disagg else view.healthy()
         prefills = view.pool(EngineRole.PREFILL).healthy() if disagg else ()
+        pool_wait = self.rule.pool_wait(prefills)
         options: list[_Option] = []
         for d in decodes:
             decode_time, tpot = self._decode_side(d, req, out)
             hit_d = min(matched.get(d.id, 0) * bs, limit)
-            local_pf = perf.prefill_time(req.prompt_tokens - hit_d, hit_d)
-            wait_d = d.pending_prefill_tokens * self.spt
-            interference = cfg.interference_weight * local_pf * d.num_running / (d.num_running + 1)
-            ttft = wait_d + local_pf
-            options.append(_Option(ttft + decode_time + interference, ttft, tpot, d, None, hit_d))
-            if req.prompt_tokens - hit_d < cfg.min_uncached_tokens:
+            local_ok, remote_ok, rule = True, False, None
+            if disagg:
+                others = [p for p in prefills if p.id != d.id]
+                wait = pool_wait if len(others) == len(prefills) else self.rule.pool_wait(others)
+                choice = self.rule.decide(req, d, hit_d, others, pool_wait_s=wait)
+                rule = choice.reason
+                if cfg.follow_pd_rule:
+                    local_ok, remote_ok = not choice.remote, choice.remote
+                else:
+                    remote_ok = choice.uncached >= self.rule.settings.min_uncached_tokens
+            if local_ok:
+                local_pf = perf.prefill_time(req.prompt_tokens - hit_d, hit_d)
+                wait_d = predicted_wait(perf, d)
+                interference = (
+                    cfg.interference_weight * local_pf * d.num_running / (d.num_running + 1)
+                )
+                ttft = wait_d + local_pf
+                reason = _label(rule, remote=False)
+                cost = ttft + decode_time + interference
+                options.append(_Option(cost, ttft, tpot, d, None, hit_d, reason))
+            if not remote_ok:
                 continue
+            transfer = (req.prompt_tokens - hit_d) * per_token_transfer
             for p in prefills:
                 if p.id == d.id:
                     continue
                 hit_p = min(matched.get(p.id, 0) * bs, limit)
                 ttft = (
-                    p.pending_prefill_tokens * self.spt
+                    predicted_wait(perf, p)
                     + perf.prefill_time(req.prompt_tokens - hit_p, hit_p)
                     + transfer
                     + d.num_waiting * tpot
                 )
-                options.append(_Option(ttft + decode_time, ttft, tpot, d, p, hit_p))
+                reason = _label(rule, remote=True)
+                options.append(_Option(ttft + decode_time, ttft, tpot, d, p, hit_p, reason))
         return options
 
     # -- decision ------------------------------------------------------------------
@@ -151,26 +189,48 @@ class CostModelPolicy(PolicyBase):
         slo = req.slo
         feasible = [o for o in options if o.ttft <= slo.ttft_s and o.tpot <= slo.tpot_s]
         if feasible:
-            best = min(feasible, key=lambda o: o.cost)
+            best = self._cheapest(feasible)
             reason = "cost_model:remote" if best.prefill else "cost_model:local"
         elif self.config.scarcity_guard:
             best = self._spread(options)
             reason = "cost_model:spread"
         else:
-            best = min(options, key=lambda o: o.cost)
+            best = self._cheapest(options)
             reason = "cost_model:greedy"
         return Decision(
             engine=best.decode.id,
             prefill_engine=best.prefill.id if best.prefill else None,
             expected_hit_tokens=best.hit,
             reason=reason,
+            pd_reason=best.reason.value if best.reason else "",
         )
+
+    def _cheapest(self, options: Sequence[_Option]) -> _Option:
+        """The least added completion time; among options within ``tie_s`` of it, the
+        decode engine with the fewest requests in flight, then the least recently used."""
+        low = min(o.cost for o in options)
+        tied = [o for o in options if o.cost <= low + self.config.tie_s]
+        if len(tied) == 1:
+            return tied[0]
+        last = self._last_used
+
+        def key(o: _Option) -> tuple[int, int, int, int]:
+            p = o.prefill
+            return (
+                o.decode.in_flight,
+                last.get(o.decode.id, -1),
+                p.pending_prefill_tokens if p else 0,
+                last.get(p.id, -1) if p else 0,
+            )
+
+        return min(tied, key=key)
 
     def _spread(self, options: Sequence[_Option]) -> _Option:
         """Scarcity: the least loaded option, rotating among equally loaded ones.
 
-        With a prefill pool, only remote options spread: under overload, prefilling on
-        decode engines would take decode time from every request already running there.
+        With a prefill pool, only remote options spread (when the rule left any): under
+        overload, prefilling on decode engines would take decode time from every request
+        already running there.
         """
         remote = [o for o in options if o.prefill is not None]
         pool = remote or list(options)
@@ -188,6 +248,7 @@ class CostModelPolicy(PolicyBase):
         self._rotation += 1
         for engine in (decision.prefill_engine, decision.engine):
             if engine is not None:
+                self._last_used[engine] = self._rotation
                 cap = self._capacity.get(engine, self.perf.kv_capacity_blocks)
                 self.cache.insert(engine, req.block_hashes, cap)
 
@@ -198,3 +259,11 @@ class CostModelPolicy(PolicyBase):
     def on_engine_removed(self, engine: EngineId) -> None:
         self.cache.remove_engine(engine)
         self._capacity.pop(engine, None)
+        self._last_used.pop(engine, None)
+
+
+def _label(rule: PDReason | None, *, remote: bool) -> PDReason | None:
+    """The rule's reason when the option agrees with it, else the priced override's."""
+    if rule is None or rule.remote == remote:
+        return rule
+    return PDReason.REMOTE_PRICED if remote else PDReason.LOCAL_PRICED

@@ -9,6 +9,13 @@ driver calls :meth:`Dispatcher.release` for their engine (after that engine's
 state changed) and the policy lets them go; :meth:`Dispatcher.rebalance` lets
 the policy move held requests between queues. The driver owns the waiting
 (an event in the simulator, a future in the gateway) through ``handle``.
+
+In a disaggregated cluster a single-pool policy runs in *pair mode*: it is asked
+for a decode engine, then :class:`~gateway.policies.pd_rule.PDRule` says whether
+the prefill runs there (local) or on the prefill pool, and only then is the policy
+asked for a prefill engine. ``pd_native`` policies apply the same rule themselves
+(from ``PolicyContext.pd``). Every disaggregated decision carries its
+``pd_reason``; :attr:`Dispatcher.pd_reasons` counts them.
 """
 
 from __future__ import annotations
@@ -18,23 +25,13 @@ from dataclasses import dataclass, field, replace
 
 from gateway.core.errors import NoEngineError
 from gateway.core.types import ClusterView, Decision, EngineId, EngineRole, RequestInfo
+from gateway.perfmodel.model import PerfModel
+from gateway.perfmodel.presets import DEFAULT_PRESET, load_preset
 from gateway.policies.base import Policy
+from gateway.policies.pd_rule import PDReason, PDRule, PDSettings
 from gateway.policies.router_queues import QueuedRequest, QueueFullError, RouterQueues
 
 __all__ = ["DecisionTimes", "Dispatcher", "PDSettings", "PolicyError", "QueueFullError"]
-
-
-@dataclass(frozen=True, slots=True)
-class PDSettings:
-    """Conditional disaggregation: when a disaggregated request skips the prefill pool.
-
-    The remote prefill is skipped (the decode engine prefills locally) when fewer than
-    ``min_uncached_tokens`` prompt tokens are not already cached on the decode engine, or
-    when every prefill engine has ``saturation_tokens`` or more prefill tokens pending.
-    """
-
-    min_uncached_tokens: int = 256
-    saturation_tokens: int = 65_536
 
 
 class PolicyError(RuntimeError):
@@ -64,10 +61,13 @@ class Dispatcher:
         timing_limit: int = 1_000_000,
         queues: RouterQueues | None = None,
         pd: PDSettings | None = None,
+        perf: PerfModel | None = None,
     ) -> None:
         self.policy = policy
         self.pd = pd or PDSettings()
-        self.pd_skipped = 0
+        self.pd_rule = PDRule(self.pd, perf or load_preset(DEFAULT_PRESET))
+        self.pd_reasons: dict[str, int] = {}
+        """Disaggregated decisions by ``pd_reason`` (bounded: the PDReason values)."""
         self._timer = timer
         self.times = DecisionTimes(limit=timing_limit)
         self.in_flight: dict[EngineId, int] = {}
@@ -97,9 +97,14 @@ class Dispatcher:
             decision, prefill, decode = self._decide_pair(req, view, now)
         else:
             decision, prefill, decode = self.policy.decide(req, view, now), None, None
+            if view.disaggregated and not decision.pd_reason:  # a pd_native policy's own rule
+                own = PDReason.REMOTE_PRICED if decision.prefill_engine else PDReason.LOCAL_PRICED
+                decision = replace(decision, pd_reason=own.value)
         if timer is not None:
             self.times.add(timer() - start)
         self._validate(decision, view)
+        if decision.pd_reason:
+            self.pd_reasons[decision.pd_reason] = self.pd_reasons.get(decision.pd_reason, 0) + 1
         if decision.prefill_engine is not None:
             self.in_flight[decision.prefill_engine] = (
                 self.in_flight.get(decision.prefill_engine, 0) + 1
@@ -128,25 +133,28 @@ class Dispatcher:
     def _decide_pair(
         self, req: RequestInfo, view: ClusterView, now: float
     ) -> tuple[Decision, Decision | None, Decision]:
-        """Ask a single-pool policy for a decode engine, then (unless skipped) a prefill one.
+        """Ask a single-pool policy for a decode engine, apply the P/D rule, then (when
+        remote) ask it for a prefill engine among the others.
 
         Returns the combined decision and the two sub-decisions (prefill may be None).
         """
         decode = replace(self.policy.decide(req, view.pool(EngineRole.DECODE), now), hold=False)
-        prefills = view.pool(EngineRole.PREFILL)
-        uncached = req.prompt_tokens - decode.expected_hit_tokens
-        saturated = all(
-            e.pending_prefill_tokens >= self.pd.saturation_tokens for e in prefills.healthy()
+        target = view.get(decode.engine)
+        if target is None:  # not an engine: _validate names the policy's bug
+            return decode, None, decode
+        prefills = ClusterView(
+            tuple(e for e in view.pool(EngineRole.PREFILL) if e.id != decode.engine)
         )
-        if uncached < self.pd.min_uncached_tokens or saturated or not prefills.healthy():
-            self.pd_skipped += 1
-            return replace(decode, reason=decode.reason + ":local_prefill"), None, decode
+        choice = self.pd_rule.decide(req, target, decode.expected_hit_tokens, prefills.healthy())
+        if not choice.remote:
+            return replace(decode, pd_reason=choice.reason.value), None, decode
         prefill = self.policy.decide(req, prefills, now)
         combined = replace(
             decode,
             prefill_engine=prefill.engine,
             expected_hit_tokens=prefill.expected_hit_tokens,
             reason=f"{prefill.reason}>{decode.reason}",
+            pd_reason=choice.reason.value,
         )
         return combined, replace(prefill, hold=False), decode
 

@@ -1,7 +1,8 @@
 """Least loaded: the engine with the fewest pending prefill tokens.
 
 Algorithm: argmin over healthy engines of (pending prefill tokens, in-flight
-requests), ties broken by a rotating start so equal engines share traffic.
+requests), ties broken by a rotating start so equal engines share traffic (it
+rotates once per request, so both pools of a disaggregated cluster rotate).
 Pending prefill tokens are the uncached prompt tokens queued or still being
 prefilled (exact in the simulator; the router's estimate in the gateway).
 No knobs. Source: the "least loaded" baseline of Preble and DualMap.
@@ -32,6 +33,7 @@ class LeastLoadedPolicy(PolicyBase):
     def __init__(self, ctx: PolicyContext, config: LeastLoadedConfig | None = None) -> None:
         self.config = config or LeastLoadedConfig()
         self._offset = 0
+        self._last: tuple[str, float] = ("", -1.0)  # (id, arrival) of the last request
 
     def decide(self, req: RequestInfo, view: ClusterView, now: float) -> Decision:
         healthy = view.healthy()
@@ -40,4 +42,6 @@ class LeastLoadedPolicy(PolicyBase):
         return Decision(engine=healthy[best].id, reason="least_loaded")
 
     def on_routed(self, req: RequestInfo, decision: Decision, now: float) -> None:
-        self._offset += 1
+        if (req.id, req.arrival) != self._last:
+            self._offset += 1
+            self._last = (req.id, req.arrival)

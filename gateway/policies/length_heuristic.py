@@ -7,6 +7,9 @@ prefilled on their decode engine. The decode engine is the one with the
 fewest outstanding tokens — the router's own count of prompt + expected
 output (``max_tokens`` when given, else ``default_output_tokens``) of its
 requests in flight. In a unified pool it is simply "fewest outstanding tokens".
+It is a baseline with its own length rule, not the P/D rule of
+:mod:`gateway.policies.pd_rule`; its decisions are labelled ``remote_long`` and
+``local_short`` (by its own threshold) so that they count in the same metric.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import ClassVar
 
 from gateway.core.types import ClusterView, Decision, EngineId, EngineRole, RequestInfo
 from gateway.policies.base import PolicyBase, PolicyContext
+from gateway.policies.pd_rule import PDReason
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +49,14 @@ class LengthHeuristicPolicy(PolicyBase):
             pool = [e for e in view.pool(EngineRole.PREFILL).healthy() if e.id != decode.id]
             if pool:
                 prefill = min(pool, key=lambda e: (e.pending_prefill_tokens, e.in_flight)).id
+        pd = ""
+        if disagg:
+            pd = (PDReason.REMOTE_LONG if prefill else PDReason.LOCAL_SHORT).value
         return Decision(
             engine=decode.id,
             prefill_engine=prefill,
             reason="length_heuristic:" + ("remote" if prefill else "local"),
+            pd_reason=pd,
         )
 
     def on_routed(self, req: RequestInfo, decision: Decision, now: float) -> None:

@@ -14,6 +14,12 @@ transfer parameters), the request falls back to a local prefill on its decode
 engine: the client is served, and nothing is left half-done on the prefill
 engine. A 4xx from the prefill engine is the client's error and is answered
 as is.
+
+Every routing decision is counted by its P/D reason
+(``kvgate_pd_decisions_total{reason}``, :mod:`gateway.policies.pd_rule`), and
+the request's log line names the engine that prefilled it (``prefill``: its
+URL, or ``local``) and the reason (``pd_reason``; ``pd_fallback`` when a
+remote leg failed and the decode engine prefilled instead).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response
 
+from gateway.core.types import Decision
 from gateway.proxy.upstream import UpstreamError
 
 if TYPE_CHECKING:
@@ -61,6 +68,23 @@ def prefill_body(body: dict[str, Any]) -> bytes:
 def decode_body(body: dict[str, Any], params: dict[str, Any]) -> bytes:
     """The decode leg's body: the client's, plus the prefill engine's transfer parameters."""
     return json.dumps({**body, "kv_transfer_params": params}, separators=(",", ":")).encode()
+
+
+def note_pd_decision(fwd: Forwarder, ex: Exchange, decision: Decision, disagg: bool) -> None:
+    """Count ``decision`` by its P/D reason and keep the reason for the request's log."""
+    reason = (decision.pd_reason or "unknown") if disagg else "unified"
+    ex.pd_reason = reason
+    fwd.metrics.pd_decisions.labels(reason).inc()
+
+
+def pd_log_fields(ex: Exchange) -> dict[str, Any]:
+    """The P/D fields of a request's log line (none in a unified pool)."""
+    if ex.pd_reason is None or ex.pd_reason == "unified":
+        return {}
+    fields: dict[str, Any] = {"prefill": ex.prefill_engine or "local", "pd_reason": ex.pd_reason}
+    if ex.prefill_engine is None and ex.pd_reason.startswith("remote"):
+        fields["pd_fallback"] = True
+    return fields
 
 
 @dataclass(slots=True)

@@ -34,7 +34,7 @@ from gateway.observability import GatewayMetrics
 from gateway.policies.dispatcher import Dispatcher
 from gateway.policies.router_queues import QueuedRequest, QueueFullError
 from gateway.proxy.budget import RetryBudget, budget_error
-from gateway.proxy.disagg import decode_body, run_prefill
+from gateway.proxy.disagg import decode_body, note_pd_decision, pd_log_fields, run_prefill
 from gateway.proxy.errors import ApiError
 from gateway.proxy.recorder import Recorder
 from gateway.proxy.relay import Relay, completion_tokens
@@ -68,6 +68,8 @@ class Exchange:
     """What goes to the (decode) engine: ``raw``, or the decode leg's body in P/D."""
     prefill_engine: str | None = None
     """The engine that ran this attempt's remote prefill leg (P/D), if any."""
+    pd_reason: str | None = None
+    """Why the prefill ran where it did (P/D; ``unified`` without a prefill pool)."""
 
 
 class _RetryableError(Exception):
@@ -133,6 +135,7 @@ class Forwarder:
                 engine_id, hit = await self._held(ex)
             ex.payload = ex.raw
             ex.prefill_engine = None
+            note_pd_decision(self, ex, decision, view.disaggregated)
             if decision.prefill_engine is not None:
                 leg = await run_prefill(self, ex, decision.prefill_engine)
                 if leg.response is not None:  # the prefill engine refused the request
@@ -433,6 +436,7 @@ class Forwarder:
                     "prompt_tokens_est": ex.info.prompt_tokens,
                     "output_tokens": output,
                     "duration_s": round(now - ex.started, 6),
+                    **pd_log_fields(ex),
                 },
             )
         if self.recorder is not None:
