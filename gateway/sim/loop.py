@@ -20,6 +20,7 @@ from gateway.perfmodel.engine import EngineCore, EngineRequest, StepOutcome
 from gateway.perfmodel.model import PerfModel
 from gateway.policies.base import Policy
 from gateway.policies.dispatcher import Dispatcher
+from gateway.policies.pd_rule import PDSettings
 from gateway.policies.router_queues import QueueFullError
 from gateway.sim.workloads import Workload, WorkloadRequest
 
@@ -38,6 +39,8 @@ class ClusterSpec:
     """P/D: the first this many engines are prefill-only, the rest decode-only (0: unified)."""
     kv_bandwidth_gbps: float = 25.0
     """P/D: KV transfer bandwidth between a prefill and a decode engine."""
+    pd: PDSettings = field(default_factory=PDSettings)
+    """P/D: the thresholds of the local-or-remote prefill rule (``PolicyContext.pd`` too)."""
 
     def __post_init__(self) -> None:
         if self.instances <= 0 or any(n <= 0 for _, n in self.scale_events):
@@ -74,6 +77,7 @@ class RequestRecord:
     queue_wait: float = 0.0
     prefill_engine: str | None = None
     kv_transfer_s: float = 0.0
+    pd_reason: str = ""
 
     @property
     def ttft(self) -> float | None:
@@ -123,7 +127,7 @@ class Simulation:
         self.cluster = cluster
         self.workload = workload
         self.policy = policy
-        self.dispatcher = Dispatcher(policy, timer=timer)
+        self.dispatcher = Dispatcher(policy, timer=timer, pd=cluster.pd, perf=cluster.perf)
         self.engines = [
             EngineCore(
                 f"sim-{i}",
@@ -216,6 +220,7 @@ class Simulation:
         record.expected_hit_tokens = decision.expected_hit_tokens
         record.held = decision.hold
         record.prefill_engine = decision.prefill_engine
+        record.pd_reason = decision.pd_reason
         return record
 
     def _submit(self, record: RequestRecord, now: float, horizon: float) -> None:
