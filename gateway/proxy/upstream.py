@@ -1,8 +1,9 @@
 """The upstream HTTP client of the proxy path: one small interface, two implementations.
 
-Production uses httpcore's connection pool directly (the transport under
-httpx, without httpx's per-request model building, which costs more than half
-the proxy's CPU time per request). Tests pass an ``httpx`` transport (e.g.
+Production uses :class:`HttpUpstream`: kvgate's own keep-alive pool of
+httptools-parsed HTTP/1.1 connections (:mod:`gateway.proxy.netbackend`; it
+replaced httpcore, whose pool scan, h11 parsing and anyio layers cost about
+half the proxy's CPU per request). Tests pass an ``httpx`` transport (e.g.
 ``httpx.MockTransport``) and get :class:`HttpxUpstream`. Both raise the same
 :class:`UpstreamError` subclasses, so the forwarder has one retry policy.
 Neither sends hop-by-hop headers (:func:`end_to_end`); responses expose only
@@ -17,26 +18,30 @@ from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
 
-import httpcore
 import httpx
 
-from gateway.proxy.netbackend import AsyncioBackend
+from gateway.proxy.netbackend import (
+    H1Connection,
+    H1Pool,
+    Origin,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamTimeoutError,
+)
+
+__all__ = [
+    "HttpUpstream",
+    "HttpxUpstream",
+    "Timeouts",
+    "Upstream",
+    "UpstreamConnectError",
+    "UpstreamError",
+    "UpstreamResponse",
+    "UpstreamTimeoutError",
+    "end_to_end",
+]
 
 Headers = Sequence[tuple[bytes, bytes]]
-
-
-class UpstreamError(Exception):
-    """The engine could not be reached or broke the exchange."""
-
-    reason = "transport"
-
-
-class UpstreamConnectError(UpstreamError):
-    reason = "connect"
-
-
-class UpstreamTimeoutError(UpstreamError):
-    reason = "timeout"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,88 +98,151 @@ def end_to_end(headers: Headers) -> list[tuple[bytes, bytes]]:
     ]
 
 
-def _lookup(headers: Headers, name: bytes) -> bytes | None:
-    for key, value in headers:
-        if key.lower() == name:
-            return value
-    return None
+_MAX_TARGETS = 4096
+"""Parsed request URLs kept (engine URL x path: a handful per engine)."""
 
 
-class _CoreResponse:
-    def __init__(self, resp: httpcore.Response) -> None:
-        self._resp = resp
-        self.status = resp.status
+@dataclass(frozen=True, slots=True)
+class _Target:
+    origin: Origin
+    head: bytes
+    """Request line and Host header, ready to be followed by the other headers."""
+
+
+def _target(url: str) -> _Target:
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https") or not parts.hostname:
+        raise UpstreamError(f"unsupported engine URL {url!r}")
+    port = parts.port or (443 if scheme == "https" else 80)
+    path = parts.path or "/"
+    if parts.query:
+        path += "?" + parts.query
+    head = b"POST " + path.encode("ascii") + b" HTTP/1.1\r\nhost: " + parts.netloc.encode()
+    return _Target((scheme, parts.hostname, port), head + b"\r\n")
+
+
+class _H1Response:
+    """An engine's answer on one pooled connection; the connection goes back on the last
+    byte, or is closed when the answer is abandoned."""
+
+    __slots__ = ("_conn", "_origin", "_pool", "_read_timeout", "status")
+
+    def __init__(self, pool: H1Pool, origin: Origin, conn: H1Connection, read_timeout: float):
+        self._pool = pool
+        self._origin = origin
+        self._conn: H1Connection | None = conn
+        self._read_timeout = read_timeout
+        self.status = conn.status
 
     def header(self, name: bytes) -> bytes | None:
-        return _lookup(self._resp.headers, name)
+        conn = self._conn
+        if conn is not None:
+            for key, value in conn.headers:
+                if key == name:
+                    return value
+        return None
+
+    async def _next(self, conn: H1Connection) -> None:
+        try:
+            await conn.wait(self._read_timeout)
+        except TimeoutError:
+            raise UpstreamTimeoutError(
+                f"no data from the engine for {self._read_timeout:g} s"
+            ) from None
 
     async def read(self) -> bytes:
+        conn = self._conn
+        assert conn is not None, "read after close"
         try:
-            return await self._resp.aread()
-        except httpcore.TimeoutException as exc:
-            raise UpstreamTimeoutError(f"timed out reading ({type(exc).__name__})") from None
-        except httpcore.NetworkError as exc:
-            raise UpstreamError(f"{type(exc).__name__}: {exc}") from None
-        except httpcore.ProtocolError as exc:
-            raise UpstreamError(f"{type(exc).__name__}: {exc}") from None
+            while not conn.complete:
+                if conn.error is not None:
+                    raise conn.error
+                await self._next(conn)
+            return conn.take() if conn.chunks else b""
         finally:
-            await self._resp.aclose()
+            await self.close()
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self._resp.aiter_stream():
-                yield chunk
-        except httpcore.TimeoutException as exc:
-            raise UpstreamTimeoutError(f"timed out between chunks ({type(exc).__name__})") from None
-        except (httpcore.NetworkError, httpcore.ProtocolError) as exc:
-            raise UpstreamError(f"{type(exc).__name__}: {exc}") from None
+        conn = self._conn
+        assert conn is not None, "chunks after close"
+        while True:
+            if conn.chunks:
+                yield conn.take()
+            elif conn.complete:
+                return
+            elif conn.error is not None:
+                raise conn.error
+            else:
+                await self._next(conn)
 
     async def close(self) -> None:
-        await self._resp.aclose()
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            self._pool.release(conn, self._origin)
 
 
-class HttpcoreUpstream:
-    """Production: an httpcore connection pool with explicit timeouts."""
+class HttpUpstream:
+    """Production: pooled keep-alive HTTP/1.1 connections with explicit timeouts."""
 
     def __init__(self, timeouts: Timeouts, *, max_connections: int = 1000) -> None:
-        self._pool = httpcore.AsyncConnectionPool(
+        self._pool = H1Pool(
             max_connections=max_connections,
-            max_keepalive_connections=max_connections,
-            keepalive_expiry=30.0,
-            network_backend=AsyncioBackend(),
+            connect_timeout=timeouts.connect,
+            pool_timeout=timeouts.pool,
         )
-        self._extensions = {
-            "timeout": {
-                "connect": timeouts.connect,
-                "read": timeouts.read,
-                "write": timeouts.write,
-                "pool": timeouts.pool,
-            }
-        }
+        self._timeouts = timeouts
+        self._targets: dict[str, _Target] = {}
+
+    @property
+    def pool(self) -> H1Pool:
+        return self._pool
 
     async def send(self, url: str, headers: Headers, body: bytes) -> UpstreamResponse:
-        # httpcore adds no headers of its own: Host and Content-Length are ours to send.
-        host = urlsplit(url).netloc.encode("ascii")
-        request = httpcore.Request(
-            b"POST",
-            url,
-            headers=[
-                (b"host", host),
-                (b"content-length", str(len(body)).encode()),
-                *end_to_end(headers),
-            ],
-            content=body,
-            extensions=self._extensions,
-        )
-        try:
-            resp = await self._pool.handle_async_request(request)
-        except httpcore.ConnectError as exc:
-            raise UpstreamConnectError(f"cannot connect: {exc or 'refused'}") from None
-        except httpcore.TimeoutException as exc:
-            raise UpstreamTimeoutError(f"timed out ({type(exc).__name__})") from None
-        except (httpcore.NetworkError, httpcore.ProtocolError, httpcore.UnsupportedProtocol) as exc:
-            raise UpstreamError(f"{type(exc).__name__}: {exc}") from None
-        return _CoreResponse(resp)
+        target = self._targets.get(url)
+        if target is None:
+            if len(self._targets) >= _MAX_TARGETS:
+                self._targets.clear()
+            target = self._targets[url] = _target(url)
+        lines = [target.head, b"content-length: ", str(len(body)).encode(), b"\r\n"]
+        for key, value in end_to_end(headers):
+            if b"\n" in value or b"\r" in value or b"\n" in key or b"\r" in key:
+                raise UpstreamError(f"refused to send header {key!r}: it holds a line break")
+            lines += (key, b": ", value, b"\r\n")
+        lines += (b"\r\n", body)
+        request = b"".join(lines)
+        for attempt in (0, 1):
+            conn = await self._pool.acquire(target.origin)
+            reused = conn.reused
+            try:
+                await self._exchange(conn, request)
+            except UpstreamError as exc:
+                # a kept-alive connection the engine had closed before reading it: once more
+                stale = reused and conn.closed and conn.received == 0
+                self._pool.release(conn, target.origin)
+                if attempt == 0 and stale and not isinstance(exc, UpstreamTimeoutError):
+                    continue
+                raise
+            except BaseException:
+                self._pool.release(conn, target.origin)
+                raise
+            return _H1Response(self._pool, target.origin, conn, self._timeouts.read)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _exchange(self, conn: H1Connection, request: bytes) -> None:
+        """Write the request and wait for the response head."""
+        if conn.closed or conn.transport is None or conn.transport.is_closing():
+            raise UpstreamError("engine closed the connection without answering")
+        conn.transport.write(request)
+        await conn.drain(self._timeouts.write)
+        read = self._timeouts.read
+        while not conn.head_done:
+            if conn.error is not None:
+                raise conn.error
+            try:
+                await conn.wait(read)
+            except TimeoutError:
+                raise UpstreamTimeoutError(f"no answer from the engine within {read:g} s") from None
 
     async def aclose(self) -> None:
         await self._pool.aclose()
