@@ -218,11 +218,14 @@ def attach_bound(
     target: float = CAPACITY_TARGET,
     steps: int | None = None,
     tolerance: float = CAPACITY_TOLERANCE,
+    shared_queue: bool = True,
 ) -> SimRun:
-    """Add ``pooled_bound`` and each policy's ``vs_bound`` to a ``simulate`` results document.
+    """Add ``pooled_bound`` and each policy's ``vs_bound`` to a ``simulate`` results document,
+    and (``shared_queue``) the tighter ``shared_queue_bound`` with each ``vs_shared_queue``
+    (see :mod:`gateway.sim.shared_queue`).
 
-    The bound's capacity is searched (as the policies' is) only with ``capacity``.
-    Returns the bound's run (for plots).
+    The bounds' capacities are searched (as the policies' are) only with ``capacity``.
+    Returns the pooled bound's run (for plots).
     """
     run = run_bound(workload, cluster, seed=seed)
     bound = bound_summary(run, cluster)
@@ -235,4 +238,16 @@ def attach_bound(
     results["pooled_bound"] = bound
     for pol in results["policies"].values():
         pol["vs_bound"] = fraction_of_bound(pol, bound)
+    if shared_queue:
+        from gateway.sim.shared_queue import attach_shared_queue  # it imports this module
+
+        attach_shared_queue(
+            results,
+            workload,
+            cluster,
+            capacity=capacity,
+            target=target,
+            steps=steps,
+            tolerance=tolerance,
+        )
     return run
