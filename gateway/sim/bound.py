@@ -64,9 +64,16 @@ from typing import Any
 from gateway.core.types import RequestInfo
 from gateway.perfmodel.engine import EngineCore
 from gateway.perfmodel.model import PerfModel
+from gateway.sim.early_stop import MissBudget
 from gateway.sim.loop import ClusterSpec, RequestRecord, SimRun
 from gateway.sim.metrics import slo_attainment, summarize
-from gateway.sim.runner import CAPACITY_TARGET, CAPACITY_TOLERANCE, run_policy, search_rate
+from gateway.sim.runner import (
+    CAPACITY_TARGET,
+    CAPACITY_TOLERANCE,
+    probe_attainment,
+    run_policy,
+    search_rate,
+)
 from gateway.sim.workloads import Workload
 
 BOUND_NAME = "pooled_bound"
@@ -96,11 +103,14 @@ def pooled_cluster(cluster: ClusterSpec) -> ClusterSpec:
     )
 
 
-def run_bound(workload: Workload, cluster: ClusterSpec, *, seed: int = 0) -> SimRun:
+def run_bound(
+    workload: Workload, cluster: ClusterSpec, *, seed: int = 0, budget: MissBudget | None = None
+) -> SimRun:
     """Simulate ``workload`` on the pooled engine of ``cluster``.
 
     Requests that one engine of the cluster could never hold are recorded as
     rejected (they would be rejected by the cluster too), the rest are served.
+    ``budget``: a capacity probe that stops once it certainly failed.
     """
     probe = EngineCore("probe", cluster.perf)
     served = []
@@ -112,8 +122,10 @@ def run_bound(workload: Workload, cluster: ClusterSpec, *, seed: int = 0) -> Sim
         else:
             rejected[req.id] = reason
     kept = replace(workload, requests=tuple(served)) if rejected else workload
+    if budget is not None:
+        budget.add_misses(len(rejected))
     run = (
-        run_policy("round_robin", kept, pooled_cluster(cluster), seed=seed)
+        run_policy("round_robin", kept, pooled_cluster(cluster), seed=seed, budget=budget)
         if served
         else SimRun(policy="round_robin", records=[])
     )
@@ -155,6 +167,8 @@ def bound_capacity(
     steps: int | None = None,
     tolerance: float = CAPACITY_TOLERANCE,
     first: SimRun | None = None,
+    bracket: float = 2.0,
+    early_stop: bool = True,
 ) -> tuple[float, int]:
     """The pooled bound's capacity, searched exactly as ``runner.capacity_search`` does
     (the same bracket, cap, floor and tolerance), so that policy / bound ratios compare
@@ -164,7 +178,13 @@ def bound_capacity(
     def attainment(factor: float) -> float:
         if factor == 1.0 and first is not None:
             return slo_attainment(first)
-        return slo_attainment(run_bound(workload.scaled(factor), cluster, seed=seed))
+        scaled = workload.scaled(factor)
+        return probe_attainment(
+            lambda b: run_bound(scaled, cluster, seed=seed, budget=b),
+            len(workload),
+            target,
+            early_stop=early_stop,
+        )
 
     return search_rate(
         workload.rate,
@@ -173,6 +193,7 @@ def bound_capacity(
         tolerance=tolerance,
         max_steps=steps,
         free_first=first is not None,
+        bracket=bracket,
     )
 
 

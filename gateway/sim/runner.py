@@ -8,6 +8,7 @@ from typing import Any
 
 from gateway.policies.base import PolicyContext
 from gateway.policies.registry import create_policy
+from gateway.sim.early_stop import EarlyStopSimulation, MissBudget, ProbeFailed
 from gateway.sim.loop import ClusterSpec, SimRun, Simulation
 from gateway.sim.metrics import cache_hit_upper_bound, slo_attainment, summarize
 from gateway.sim.workloads import Workload
@@ -50,10 +51,17 @@ def run_policy(
     seed: int = 0,
     options: Mapping[str, Any] | None = None,
     timer: Callable[[], float] | None = None,
+    budget: MissBudget | None = None,
 ) -> SimRun:
-    """One simulation of policy ``name`` with a fresh policy object."""
+    """One simulation of policy ``name`` with a fresh policy object.
+
+    With a ``budget`` the run raises :class:`~gateway.sim.early_stop.ProbeFailed` as
+    soon as too many requests certainly missed their SLO (capacity probes only).
+    """
     ctx = PolicyContext(seed=seed, block_size=workload.block_size, perf=cluster.perf, pd=cluster.pd)
     policy = create_policy(name, ctx, options)
+    if budget is not None:
+        return EarlyStopSimulation(cluster, policy, workload, timer=timer, budget=budget).run()
     return Simulation(cluster, policy, workload, timer=timer).run()
 
 
@@ -69,20 +77,32 @@ def capacity_search(
     tolerance: float = CAPACITY_TOLERANCE,
     first: SimRun | None = None,
     ttft_only: bool = False,
+    bracket: float = 2.0,
+    early_stop: bool = True,
 ) -> tuple[float, int]:
     """Highest arrival rate (req/s) with SLO attainment >= ``target``, and runs used.
 
     Scales the workload's arrival times (see :func:`search_rate`: bracket by
-    doubling or halving from 1x, then bisect until the bracket is within
+    ``bracket``-fold steps from 1x, then bisect until the bracket is within
     ``tolerance``). ``ttft_only`` counts the TTFT target alone (DualMap's
-    criterion); otherwise both TTFT and TPOT.
+    criterion); otherwise both TTFT and TPOT. ``early_stop``: a probe stops as
+    soon as it has certainly failed (:mod:`gateway.sim.early_stop`; same answer).
     """
+
+    def one(factor: float, budget: MissBudget | None) -> SimRun:
+        scaled = workload.scaled(factor)
+        return run_policy(name, scaled, cluster, seed=seed, options=options, budget=budget)
 
     def attainment(factor: float) -> float:
         if factor == 1.0 and first is not None:
             return slo_attainment(first, ttft_only=ttft_only)
-        run = run_policy(name, workload.scaled(factor), cluster, seed=seed, options=options)
-        return slo_attainment(run, ttft_only=ttft_only)
+        return probe_attainment(
+            lambda b: one(factor, b),
+            len(workload),
+            target,
+            ttft_only=ttft_only,
+            early_stop=early_stop,
+        )
 
     return search_rate(
         workload.rate,
@@ -91,7 +111,26 @@ def capacity_search(
         tolerance=tolerance,
         max_steps=steps,
         free_first=first is not None,
+        bracket=bracket,
     )
+
+
+def probe_attainment(
+    run: Callable[[MissBudget | None], SimRun],
+    n: int,
+    target: float,
+    *,
+    ttft_only: bool = False,
+    early_stop: bool = True,
+) -> float:
+    """SLO attainment of ``run(budget)``; 0.0 when an early-stopped probe certainly failed."""
+    if not early_stop:
+        return slo_attainment(run(None), ttft_only=ttft_only)
+    try:
+        done = run(MissBudget(n, target, ttft_only=ttft_only))
+    except ProbeFailed:
+        return 0.0
+    return slo_attainment(done, ttft_only=ttft_only)
 
 
 def search_rate(
@@ -102,12 +141,15 @@ def search_rate(
     tolerance: float = CAPACITY_TOLERANCE,
     max_steps: int | None = None,
     free_first: bool = False,
+    bracket: float = 2.0,
 ) -> tuple[float, int]:
     """The capacity search shared by policies and the bounds: the highest rate factor
     whose ``attainment`` meets ``target``, times ``base``, and the simulations it took.
 
-    1. Bracket: from 1x, double while the factor passes (capped at 64x, which is
-       then returned) or halve while it fails (floored at 1/64x: (0.0, runs) then).
+    1. Bracket: from 1x, multiply by ``bracket`` (default 2) while the factor passes
+       (capped at 64x, which is then returned) or divide while it fails (floored at
+       1/64x: (0.0, runs) then). Start near the answer with a small ``bracket``
+       (say 1.25) to save probes.
     2. Bisect the bracket ``lo`` (passes) .. ``hi`` (fails) until ``hi / lo <= 1 +
        tolerance`` (or after ``max_steps`` bisections, when given), and return
        ``lo``: a rate that was seen to pass, at most ``tolerance`` below the
@@ -120,6 +162,8 @@ def search_rate(
     """
     if tolerance <= 0:
         raise ValueError(f"tolerance must be positive, got {tolerance}")
+    if bracket <= 1:
+        raise ValueError(f"bracket must be > 1, got {bracket}")
     runs = 0
 
     def ok(factor: float) -> bool:
@@ -130,16 +174,16 @@ def search_rate(
 
     if base <= 0:
         return 0.0, runs
-    lo, hi = 1.0, 2.0
+    lo, hi = 1.0, bracket
     if ok(1.0):
         while ok(hi):
-            lo, hi = hi, hi * 2
+            lo, hi = hi, hi * bracket
             if hi > 64:
                 return base * lo, runs
     else:
-        hi, lo = 1.0, 0.5
+        hi, lo = 1.0, 1.0 / bracket
         while not ok(lo):
-            hi, lo = lo, lo / 2
+            hi, lo = lo, lo / bracket
             if lo < 1 / 64:
                 return 0.0, runs
     steps = 0

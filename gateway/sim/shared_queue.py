@@ -43,9 +43,10 @@ from gateway.core.types import RequestInfo
 from gateway.perfmodel.engine import EngineCore, EngineRequest, StepOutcome
 from gateway.perfmodel.kvcache import BlockPool
 from gateway.sim.bound import fraction_of_bound
+from gateway.sim.early_stop import MissBudget
 from gateway.sim.loop import ClusterSpec, RequestRecord, SimRun
 from gateway.sim.metrics import slo_attainment, summarize
-from gateway.sim.runner import CAPACITY_TARGET, CAPACITY_TOLERANCE, search_rate
+from gateway.sim.runner import CAPACITY_TARGET, CAPACITY_TOLERANCE, probe_attainment, search_rate
 from gateway.sim.workloads import Workload
 
 SCAN_LIMIT = 64
@@ -58,8 +59,11 @@ SHARED_QUEUE_NAME = "shared_queue_bound"
 class SharedQueueSimulation:
     """One run of the shared-queue bound over ``workload`` on ``cluster``'s engines."""
 
-    def __init__(self, cluster: ClusterSpec, workload: Workload) -> None:
+    def __init__(
+        self, cluster: ClusterSpec, workload: Workload, *, budget: MissBudget | None = None
+    ) -> None:
         self.workload = workload
+        self.budget = budget
         n = cluster.max_instances
         perf = cluster.perf
         self.pool = BlockPool(perf.kv_capacity_blocks * n)
@@ -86,6 +90,8 @@ class SharedQueueSimulation:
                 t, _, idx = heapq.heappop(heap)
                 out.events += 1
                 self._apply(self.engines[idx].finish_step())
+                if self.budget is not None:
+                    self.budget.advance(t)
                 self._dispatch(t, next_arrival, first=idx)
                 continue
             src = reqs[i]
@@ -93,6 +99,9 @@ class SharedQueueSimulation:
             out.events += 1
             record = self._record(src)
             records.append(record)
+            if self.budget is not None:
+                self.budget.advance(src.arrival)
+                self.budget.arrived(record)
             if record.rejected is None:
                 self._queue.append(record)
                 self._dispatch(src.arrival, reqs[i].arrival if i < n else math.inf)
@@ -254,6 +263,8 @@ class SharedQueueSimulation:
             assert isinstance(record, RequestRecord)
             record.finish_time = req.finish_time
             record.preemptions = req.preemptions
+            if self.budget is not None:
+                self.budget.finished(record)
 
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...], start: int, limit: int) -> int:
@@ -269,9 +280,14 @@ def _common_prefix(a: tuple[int, ...], b: tuple[int, ...], start: int, limit: in
     return lo
 
 
-def run_shared_queue(workload: Workload, cluster: ClusterSpec) -> SimRun:
-    """Simulate ``workload`` under the shared-queue bound of ``cluster`` (unified engines)."""
-    return SharedQueueSimulation(cluster, workload).run()
+def run_shared_queue(
+    workload: Workload, cluster: ClusterSpec, *, budget: MissBudget | None = None
+) -> SimRun:
+    """Simulate ``workload`` under the shared-queue bound of ``cluster`` (unified engines).
+
+    ``budget``: a capacity probe that stops once it certainly failed.
+    """
+    return SharedQueueSimulation(cluster, workload, budget=budget).run()
 
 
 def shared_queue_capacity(
@@ -283,14 +299,22 @@ def shared_queue_capacity(
     tolerance: float = CAPACITY_TOLERANCE,
     first: SimRun | None = None,
     ttft_only: bool = False,
+    bracket: float = 2.0,
+    early_stop: bool = True,
 ) -> tuple[float, int]:
     """The bound's capacity, searched exactly as the policies' (``runner.search_rate``)."""
 
     def attainment(factor: float) -> float:
         if factor == 1.0 and first is not None:
             return slo_attainment(first, ttft_only=ttft_only)
-        run = run_shared_queue(workload.scaled(factor), cluster)
-        return slo_attainment(run, ttft_only=ttft_only)
+        scaled = workload.scaled(factor)
+        return probe_attainment(
+            lambda b: run_shared_queue(scaled, cluster, budget=b),
+            len(workload),
+            target,
+            ttft_only=ttft_only,
+            early_stop=early_stop,
+        )
 
     return search_rate(
         workload.rate,
@@ -299,6 +323,7 @@ def shared_queue_capacity(
         tolerance=tolerance,
         max_steps=steps,
         free_first=first is not None,
+        bracket=bracket,
     )
 
 
