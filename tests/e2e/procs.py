@@ -158,13 +158,20 @@ def pd_cluster(
     policy: str = "cost_model",
     time_scale: float = 0.05,
 ) -> Iterator[Cluster]:
-    """Prefill and decode emulators (NIXL-style roles) behind one gateway."""
+    """Prefill and decode emulators (NIXL-style roles) behind one gateway.
+
+    The engines start together (each takes seconds to import on a loaded machine)."""
     engines: list[Proc] = []
     gw: Proc | None = None
     try:
         for i in range(prefill + decode):
             role = "prefill" if i < prefill else "decode"
-            engines.append(start_emulator(logdir, i, time_scale=time_scale, extra=["--role", role]))
+            port = free_port()
+            args = ["emulate", "--port", str(port), "--model", MODEL, "--seed", str(i)]
+            args += ["--time-scale", str(time_scale), "--role", role]
+            engines.append(start(args, f"engine{i}", port, logdir))
+        for e in engines:
+            wait_for(e, "/health")
         port = free_port()
         args = ["serve", "--port", str(port), "--policy", policy]
         for i, e in enumerate(engines):
