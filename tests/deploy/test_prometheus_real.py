@@ -73,6 +73,8 @@ KEY_PANELS = (
     ("kvgate-pd.json", "Requests / s by P/D mode"),
     ("kvgate-pd.json", "Prompt tokens / s by source (vLLM)"),
     ("kvgate-pd.json", "KV cache usage by engine and role"),
+    ("kvgate-pd.json", "P/D decisions / s by reason"),
+    ("kvgate-pd.json", "Pool load: requests in flight per engine (router)"),
 )
 
 
@@ -293,6 +295,13 @@ def test_traffic_shows_in_rates_and_hit_ratios(stack: Stack) -> None:
     assert total(stack.vector("sum(kvgate_healthy_engines)")) == N_ENGINES
     decisions = stack.vector("sum by (reason) (kvgate_routing_decisions_total)")
     assert "cache_aware:hit" in {s["metric"]["reason"] for s in decisions}
+
+
+def test_pd_decisions_count_every_request_of_a_unified_pool(stack: Stack) -> None:
+    """The decision-mix panel's series counts each routing decision (value, not presence)."""
+    unified = total(stack.vector('sum(kvgate_pd_decisions_total{reason="unified"})'))
+    assert unified == stack.requests_sent
+    assert total(stack.vector('sum(kvgate_pd_decisions_total{reason!="unified"})')) == 0
 
 
 def test_template_variables_list_the_engines(stack: Stack) -> None:
