@@ -7,6 +7,8 @@
     python benchmarks/evaluate.py dualmap    # TTFT-SLO capacity and latency, 6 policies
     python benchmarks/evaluate.py dualmap-ablation
     python benchmarks/evaluate.py scaling    # 8 -> 9 engines mid-run under dualmap
+    python benchmarks/evaluate.py suite      # issue 13's suite: every policy x workload x preset
+                                             # against both bounds (see benchmarks/suite.py)
 
 Each prints Markdown tables. Loads are set per engine so that 1.0x sits near round robin's
 saturation point on the default preset (mistral-7b-a6000); the sweep goes past it.
@@ -334,6 +336,10 @@ def _benches(args: argparse.Namespace) -> list[Bench]:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["suite"]:
+        from suite import main as suite_main  # benchmarks/suite.py, beside this file
+
+        return suite_main(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "table",
@@ -345,6 +351,7 @@ def main() -> int:
             "dualmap",
             "dualmap-ablation",
             "scaling",
+            "suite",
         ],
     )
     ap.add_argument("--workloads", default="", help="comma-separated subset of the workloads")

@@ -79,6 +79,8 @@ def capacity_search(
     ttft_only: bool = False,
     bracket: float = 2.0,
     early_stop: bool = True,
+    cap: float = 64.0,
+    floor: float = 1 / 64,
 ) -> tuple[float, int]:
     """Highest arrival rate (req/s) with SLO attainment >= ``target``, and runs used.
 
@@ -112,6 +114,8 @@ def capacity_search(
         max_steps=steps,
         free_first=first is not None,
         bracket=bracket,
+        cap=cap,
+        floor=floor,
     )
 
 
@@ -142,14 +146,16 @@ def search_rate(
     max_steps: int | None = None,
     free_first: bool = False,
     bracket: float = 2.0,
+    cap: float = 64.0,
+    floor: float = 1 / 64,
 ) -> tuple[float, int]:
     """The capacity search shared by policies and the bounds: the highest rate factor
     whose ``attainment`` meets ``target``, times ``base``, and the simulations it took.
 
     1. Bracket: from 1x, multiply by ``bracket`` (default 2) while the factor passes
-       (capped at 64x, which is then returned) or divide while it fails (floored at
-       1/64x: (0.0, runs) then). Start near the answer with a small ``bracket``
-       (say 1.25) to save probes.
+       (up to ``cap``, default 64x: the highest factor tried is then returned) or
+       divide while it fails (down to ``floor``, 1/64x: (0.0, runs) then). Start near
+       the answer with a small ``bracket`` (say 1.25) to save probes.
     2. Bisect the bracket ``lo`` (passes) .. ``hi`` (fails) until ``hi / lo <= 1 +
        tolerance`` (or after ``max_steps`` bisections, when given), and return
        ``lo``: a rate that was seen to pass, at most ``tolerance`` below the
@@ -178,13 +184,13 @@ def search_rate(
     if ok(1.0):
         while ok(hi):
             lo, hi = hi, hi * bracket
-            if hi > 64:
+            if hi > cap:
                 return base * lo, runs
     else:
         hi, lo = 1.0, 1.0 / bracket
         while not ok(lo):
             hi, lo = lo, lo / bracket
-            if lo < 1 / 64:
+            if lo < floor:
                 return 0.0, runs
     steps = 0
     while hi > lo * (1.0 + tolerance) and (max_steps is None or steps < max_steps):
