@@ -43,6 +43,12 @@ def register(sub: Any) -> None:
         help="disaggregated serving: half the engines prefill, half decode (vLLM NIXL flow)",
     )
     p.add_argument(
+        "--no-samples",
+        dest="samples",
+        action="store_false",
+        help="with --pd: do not send the sample requests (which print where each leg ran)",
+    )
+    p.add_argument(
         "--priority-groups",
         action="store_true",
         help="engines admit by Preble's cache-hit priority groups (pairs with --policy preble)",
@@ -103,6 +109,22 @@ Try it:
 
 Press Ctrl-C to stop everything.
 """
+
+
+def _samples_in_background(base: str, urls: list[str], roles: list[str], model: str) -> None:
+    """--pd: once the gateway is up, send sample requests and print each one's legs."""
+    import threading
+
+    from gateway.cli.demo_pd import print_samples_when_ready
+
+    prefills = [u for u, r in zip(urls, roles, strict=True) if r == "prefill"]
+    decodes = [u for u, r in zip(urls, roles, strict=True) if r == "decode"]
+    threading.Thread(
+        target=print_samples_when_ready,
+        args=(base, prefills, decodes, model, lambda text: print(text, flush=True)),
+        name="kvgate-demo-samples",
+        daemon=True,
+    ).start()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -171,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
         print(
             banner(args.port, args.model, urls, args.policy, roles if args.pd else None), flush=True
         )
+        if args.pd and args.samples:
+            _samples_in_background(f"http://127.0.0.1:{args.port}", urls, roles, args.model)
         uvicorn.run(
             create_app(settings),
             host="127.0.0.1",
