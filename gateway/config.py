@@ -295,7 +295,9 @@ class ReplicaSyncConfig(_Strict):
     )
     subject: str = Field(default="kvgate.load", min_length=1, description="one per gateway group")
     interval_s: float = Field(
-        default=0.02, gt=0, description="publish a changed load at most this often"
+        default=0.02,
+        gt=0,
+        description="check for finished requests this often (routing publishes at once)",
     )
     heartbeat_s: float = Field(default=1.0, gt=0, description="publish at least this often")
     ttl_s: float = Field(default=3.0, gt=0, description="drop a peer silent this long")

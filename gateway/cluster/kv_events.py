@@ -171,6 +171,9 @@ class KVEventSubscriber:
         self._stopping: set[asyncio.Task[None]] = set()
         self._seq: dict[tuple[str, int], int] = {}
         self._caught_up: set[tuple[str, int]] = set()
+        self._catching: set[asyncio.Task[None]] = set()
+        self._catch_done = asyncio.Event()
+        self._catch_done.set()
         """Keys whose sequence came from a catch-up replay: live duplicates are skipped."""
         self.batches = 0
         """Batches delivered, replayed ones included."""
@@ -186,6 +189,16 @@ class KVEventSubscriber:
                 task = asyncio.create_task(self._run(src), name=f"kv-events {src.engine}")
                 self._tasks[key] = task
                 task.add_done_callback(functools.partial(self._ended, key))
+
+    async def caught_up(self, timeout: float) -> bool:
+        """Wait until every started subscription finished its catch-up replay (or failed
+        it); False when ``timeout`` passed first."""
+        await asyncio.sleep(0)  # let freshly started tasks begin their catch-up
+        try:
+            await asyncio.wait_for(self._catch_done.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     def subscribed(self, engine: str) -> bool:
         """True while some publisher of ``engine`` is being received."""
@@ -237,7 +250,16 @@ class KVEventSubscriber:
                 "subscribed to KV events", extra={"engine": src.engine, "endpoint": src.endpoint}
             )
             if self.catch_up and src.replay is not None:
-                await self._catch_up(src)
+                task = asyncio.current_task()
+                assert task is not None
+                self._catching.add(task)
+                self._catch_done.clear()
+                try:
+                    await self._catch_up(src)
+                finally:
+                    self._catching.discard(task)
+                    if not self._catching:
+                        self._catch_done.set()
             while True:
                 frames = await sock.recv_multipart()
                 await self._handle(src, frames)

@@ -124,6 +124,8 @@ class EngineRegistry:
         """Called on every breaker transition (metrics, logs)."""
         self.peers: PeerLoad | None = None
         """The other gateway replicas' load (replica sync); added to ours in :meth:`view`."""
+        self.on_load_change: Callable[[], None] | None = None
+        """Called when a request's prompt is added to or cleared from pending prefill."""
 
     def __len__(self) -> int:
         return len(self._engines)
@@ -290,11 +292,15 @@ class EngineRegistry:
         if e is not None and tokens > 0:
             e.pending_by_request[request_id] = tokens
             e.pending_tokens += tokens
+        if self.on_load_change is not None:  # a routed request: the peers hear of it now
+            self.on_load_change()
 
     def clear_pending(self, engine_id: str, request_id: str) -> None:
         e = self._engines.get(engine_id)
         if e is not None:
             e.pending_tokens -= e.pending_by_request.pop(request_id, 0)
+        if self.on_load_change is not None:
+            self.on_load_change()
 
     # -- the policies' view --------------------------------------------------------
     def view(

@@ -5,8 +5,10 @@ count) and the prompt tokens it sent there that have not produced a first token
 (the registry's pending prefill). With N replicas that is about 1/N of each
 engine's load. With ``replica_sync.nats_url`` set, each replica publishes a
 snapshot ``{engine: [in_flight, pending_prefill_tokens]}`` on a NATS core subject
-whenever it changed (checked every ``interval_s``, so at most one message per
-interval) and at least every ``heartbeat_s``; every replica keeps the latest
+as soon as it routes a request (:meth:`NatsReplicaSync.poke`, called when prompt
+tokens are added to or cleared from an engine's pending prefill), otherwise when it
+changed (checked every ``interval_s``: finished requests) and at least every
+``heartbeat_s``; every replica keeps the latest
 snapshot of each peer and adds the peers' numbers to its own in the
 :class:`~gateway.core.types.EngineView` (:meth:`PeerLoad.of`). A peer that stops
 publishing is dropped after ``ttl_s`` (a replica shutting down says so at once),
@@ -16,7 +18,8 @@ snapshot (snapshots, not deltas). No replica is special; N identical processes w
 the same settings form one group (per ``subject``).
 
 Memory: one snapshot per live peer (engines x 2 integers). Staleness of a peer's
-numbers: at most ``interval_s`` plus NATS delivery (sub-millisecond on one host).
+numbers: a routing decision reaches the peers after one event-loop turn plus NATS
+delivery (about a millisecond on one host); a finished request within ``interval_s``.
 """
 
 from __future__ import annotations
@@ -150,6 +153,11 @@ class NatsReplicaSync:
         self._seq = 0
         self._nc: Any = None
         self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    def poke(self) -> None:
+        """Our load just changed: publish it now (coalesced with other changes this turn)."""
+        self._wake.set()
 
     @property
     def connected(self) -> bool:
@@ -221,4 +229,6 @@ class NatsReplicaSync:
                     last, last_sent = snap, now
                 except Exception as exc:  # reconnecting: the next round sends the snapshot
                     log.debug("replica sync publish failed: %r", exc)
-            await asyncio.sleep(self.interval_s)
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval_s)

@@ -126,6 +126,7 @@ def start_replica_sync(
         interval_s=cfg.interval_s,
         heartbeat_s=cfg.heartbeat_s,
     )
+    registry.on_load_change = sync.poke
     sync.start()
     return sync
 
@@ -239,6 +240,9 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             for engine in registry.all():
                 if engine.routable:
                     await bridge.attach(engine)
+            # Ready only once the engines' buffered events are replayed (a restarted replica
+            # then routes on the engines' cache state at once), or after the replay timeout.
+            await bridge.subscriber.caught_up(timeout=2 * bridge.subscriber.replay_timeout_s)
 
         def on_change(engine: EngineState, healthy: bool) -> None:
             if healthy and settings.block_size is None:

@@ -84,13 +84,14 @@ defaults
     timeout server 60s
     retries 3
     option redispatch 1
-    retry-on conn-failure empty-response response-timeout
+    retry-on conn-failure empty-response junk-response response-timeout
 frontend gw
     bind 127.0.0.1:{port}
     default_backend replicas
 backend replicas
     balance roundrobin
     option httpchk GET /ready
+    http-response set-header X-Kvgate-Replica %[srv_name]
     default-server inter 200ms fall 2 rise 2
 {servers}
 listen stats

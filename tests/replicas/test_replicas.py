@@ -1,0 +1,260 @@
+"""Three kvgate replicas behind HAProxy route as well as one, and lose nothing they did not hold.
+
+Workload: documents of about 1,000 tokens, each asked three questions in waves (every
+document once per wave, its requests ``STAGGER_S`` apart), so that round robin puts a document's
+questions on different replicas; the default policy, KV events and replica load sync on.
+Hit rate is the engines' own (``vllm:prefix_cache_hits`` / ``queries``), each run on
+fresh documents and emptied caches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from openai import APIConnectionError, APIError, AsyncOpenAI
+
+from tests.replicas.conftest import MODEL, REPLICAS, Tier
+
+pytestmark = pytest.mark.replicas
+
+DOCS = 8
+QUESTIONS = 3
+STAGGER_S = 0.015
+"""Requests of a wave start this far apart (~67 requests/s). A wave sent all at once makes
+replicas decide within the same millisecond, blind to each other (docs/deployment.md)."""
+WORDS = [
+    "route",
+    "cache",
+    "prefix",
+    "block",
+    "engine",
+    "replica",
+    "token",
+    "batch",
+    "queue",
+    "stream",
+]
+
+
+def document(tag: str, d: int) -> str:
+    body = " ".join(WORDS[(d * 7 + i * 3) % len(WORDS)] + str(i % 97) for i in range(520))
+    return f"[{tag}:{d}] {body}"  # ~4,000 characters: ~1,000 emulator tokens
+
+
+@dataclass
+class Answer:
+    doc: int
+    engine: str
+    replica: str
+    prompt: int
+    cached: int
+
+
+def client(url: str, timeout: float = 60) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=timeout)
+
+
+async def ask(oa: AsyncOpenAI, tag: str, d: int, q: int, max_tokens: int = 4) -> Answer:
+    raw = await oa.chat.completions.with_raw_response.create(
+        model=MODEL,
+        max_tokens=max_tokens,
+        messages=[
+            {"role": "system", "content": document(tag, d)},
+            {"role": "user", "content": f"question {q} about document {d}?"},
+        ],
+    )
+    r = raw.parse()
+    assert r.usage is not None and r.usage.prompt_tokens_details is not None
+    return Answer(
+        d,
+        raw.headers["x-kvgate-engine"],
+        raw.headers.get("x-kvgate-replica", "direct"),
+        r.usage.prompt_tokens,
+        r.usage.prompt_tokens_details.cached_tokens or 0,
+    )
+
+
+async def waves(url: str, tag: str, stagger_s: float) -> list[Answer]:
+    oa = client(url)
+    out: list[Answer] = []
+
+    async def later(d: int, q: int) -> Answer:
+        await asyncio.sleep(d * stagger_s)
+        return await ask(oa, tag, d, q)
+
+    for q in range(QUESTIONS):
+        out += await asyncio.gather(*(later(d, q) for d in range(DOCS)))
+        await asyncio.sleep(0.05)  # the engines' events of this wave reach every replica
+    await oa.close()
+    return out
+
+
+@dataclass
+class Run:
+    hit_rate: float
+    busiest_share: float
+    answers: list[Answer]
+
+
+def measure(tier: Tier, url: str, stagger_s: float = STAGGER_S) -> Run:
+    tier.reset_caches()
+    hits0 = tier.engine_counter("vllm:prefix_cache_hits_total")
+    queries0 = tier.engine_counter("vllm:prefix_cache_queries_total")
+    answers = asyncio.run(waves(url, uuid.uuid4().hex[:8], stagger_s))
+    hits = sum(tier.engine_counter("vllm:prefix_cache_hits_total").values()) - sum(hits0.values())
+    queries = sum(tier.engine_counter("vllm:prefix_cache_queries_total").values()) - sum(
+        queries0.values()
+    )
+    per_engine = Counter(a.engine for a in answers)
+    return Run(hits / queries, max(per_engine.values()) / len(answers), answers)
+
+
+RUNS: dict[str, Run] = {}
+
+
+def test_three_replicas_reuse_the_cache_as_one_does(tier: Tier) -> None:
+    one = RUNS["one"] = measure(tier, tier.replicas[0].url)  # one replica alone (peers idle)
+    three = RUNS["three"] = measure(tier, tier.url)  # round robin over three
+    replicas = Counter(a.replica for a in three.answers)
+    assert len(replicas) == REPLICAS, replicas  # HAProxy did spread them
+    split = [
+        len({a.replica for a in three.answers if a.doc == d}) for d in range(DOCS)
+    ]  # how many replicas saw each document
+    print(
+        f"\nreplicas: hit rate one {one.hit_rate:.3f} three {three.hit_rate:.3f} "
+        f"(ratio {three.hit_rate / one.hit_rate:.3f}); busiest engine share one "
+        f"{one.busiest_share:.3f} three {three.busiest_share:.3f}; replicas per document {split}"
+    )
+    assert one.hit_rate > 0.5  # the workload does share prefixes
+    assert sum(split) > DOCS  # and documents were asked through several replicas
+    assert three.hit_rate >= 0.95 * one.hit_rate
+
+
+@pytest.mark.xfail(
+    reason="missed target (docs/deployment.md#what-a-second-replica-costs): a replica learns "
+    "another's placement only when the engine has prefilled it (KV events) and cache_aware "
+    "ranks engines by prefix-tree size before load, so first requests of documents placed "
+    "by different replicas within one prefill time can land on the same engine",
+    strict=False,
+)
+def test_three_replicas_balance_as_one_does(tier: Tier) -> None:
+    one, three = RUNS["one"], RUNS["three"]
+    assert three.busiest_share <= 1.1 * one.busiest_share
+
+
+async def stream(oa: AsyncOpenAI, n: int, tokens: int, started: asyncio.Event) -> tuple[str, str]:
+    """(replica, outcome) of one long stream: ``ok`` with every token, or the error's type."""
+    replica = "?"
+    try:
+        raw = await oa.completions.with_raw_response.create(
+            model=MODEL,
+            prompt=f"stream {n} {uuid.uuid4().hex}",
+            max_tokens=tokens,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        replica = raw.headers.get("x-kvgate-replica", "?")
+        got = 0
+        finish = None
+        async for chunk in raw.parse():
+            started.set()
+            for choice in chunk.choices:
+                got += 1 if choice.text else 0
+                finish = choice.finish_reason or finish
+        return replica, "ok" if finish == "length" and got >= tokens * 0.9 else f"short:{got}"
+    except (APIError, APIConnectionError, httpx.HTTPError) as exc:
+        return replica, type(exc).__name__
+
+
+async def streams_through(
+    tier: Tier, victim: int, sig: int, *, count: int = 9, tokens: int = 600
+) -> tuple[list[tuple[str, str]], list[str]]:
+    """``count`` streams through HAProxy; ``sig`` to replica ``victim`` once they flow, and
+    short requests meanwhile. Everything must end within 60 s (nothing hangs)."""
+    oa = client(tier.url)
+    started = [asyncio.Event() for _ in range(count)]
+    tasks = [asyncio.create_task(stream(oa, n, tokens, started[n])) for n in range(count)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
+    tier.signal(victim, sig)
+    during: list[str] = []
+    for d in range(6):  # new requests while the replica drains or is gone
+        try:
+            await ask(oa, "during", d, 0)
+            during.append("ok")
+        except (APIError, APIConnectionError) as exc:
+            during.append(f"{type(exc).__name__}:{getattr(exc, 'status_code', '')}:{exc}")
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    await oa.close()
+    return results, during
+
+
+def test_a_sigtermed_replica_drains_its_streams(tier: Tier) -> None:
+    victim = 1
+    results, during = asyncio.run(streams_through(tier, victim, signal.SIGTERM))
+    held = [o for r, o in results if r == f"r{victim}"]
+    print(f"\nSIGTERM: {len(held)} of {len(results)} streams on the draining replica; {results}")
+    assert held, "no stream went through the victim"
+    assert all(o == "ok" for _, o in results), results
+    assert all(o == "ok" for o in during), during  # HAProxy sent new requests elsewhere
+    tier.replicas[victim].popen.wait(timeout=30)  # it exits once drained
+    assert tier.replicas[victim].popen.returncode == 0
+    tier.restart(victim)
+    tier.wait_haproxy(REPLICAS)
+
+
+def test_a_sigkilled_replica_loses_only_its_streams_and_a_restart_rebuilds_state(
+    tier: Tier,
+) -> None:
+    victim = 2
+    tag = uuid.uuid4().hex[:8]
+    docs = range(4)
+
+    async def place() -> list[Answer]:  # each document's first question, through HAProxy
+        oa = client(tier.url)
+        out = await asyncio.gather(*(ask(oa, tag, d, 0) for d in docs))
+        await oa.close()
+        return list(out)
+
+    placed = {a.doc: a.engine for a in asyncio.run(place())}
+    results, during = asyncio.run(streams_through(tier, victim, signal.SIGKILL))
+    lost = [o for r, o in results if r == f"r{victim}"]
+    kept = [o for r, o in results if r != f"r{victim}"]
+    print(f"\nSIGKILL: lost {len(lost)} (all on the killed replica), kept {len(kept)}: {results}")
+    assert lost and all(o != "ok" for o in lost), results  # clean client-side errors
+    assert kept and all(o == "ok" for o in kept), results
+    assert all(o == "ok" for o in during), during
+    assert tier.replicas[victim].popen.wait(timeout=5) == -signal.SIGKILL
+
+    t0 = time.monotonic()
+    restarted = tier.restart(victim)  # returns when /ready: events replayed by then
+    ready_s = time.monotonic() - t0
+
+    async def probe() -> list[Answer]:  # second questions straight to the restarted replica
+        oa = client(restarted.url)
+        out = await asyncio.gather(*(ask(oa, tag, d, 1) for d in docs))
+        await oa.close()
+        return list(out)
+
+    answers = asyncio.run(probe())
+    print(f"restart: ready (state rebuilt from replayed events) in {ready_s:.2f} s")
+    assert {a.doc: a.engine for a in answers} == placed  # routes like the replicas that placed
+    assert all(a.cached >= 0.9 * (a.prompt - 32) for a in answers), answers
+    assert ready_s < 20
+    tier.wait_haproxy(REPLICAS)
+
+
+def test_haproxy_checks_ready_and_routes_round_robin(tier: Tier) -> None:
+    """The config under test is what docs/deployment.md shows (round robin, /ready checks)."""
+    cfg = next(tier.logdir.glob("haproxy-*.cfg")).read_text()
+    for line in ("balance roundrobin", "option httpchk GET /ready", "retry-on conn-failure"):
+        assert line in cfg
+    out = subprocess.run(["haproxy", "-v"], capture_output=True, text=True).stdout
+    assert out.startswith("HAProxy version")
