@@ -305,6 +305,8 @@ class EngineDriver:
             observer.on_step(out)
         if self.kv_events is not None:
             self.kv_events.on_step(out.stored, out.removed)
+        # the engine model's frontend term: tokens reach clients this much later
+        delay = self.model.frontend_delay(len(out.tokens)) * self.time_scale
         for req, count in out.tokens:
             handle = handles.get(req.id)
             if handle is None:
@@ -314,7 +316,7 @@ class EngineDriver:
                 if observer is not None:
                     observer.on_scheduled(handle)
             gap = None if handle.last_token_time is None else end - handle.last_token_time
-            handle.push(count, end)
+            handle.push(count, end, delay)
             if observer is not None:
                 observer.on_tokens(handle, count, gap)
         for req in out.finished:
@@ -330,6 +332,6 @@ class EngineDriver:
                     prompt_tokens=req.prompt_tokens,
                     cached_tokens=req.cached_tokens or 0,
                 )
-            handle.finish(handle.target_reason)
+            handle.finish(handle.target_reason, delay)
             if observer is not None:
                 observer.on_finished(handle, handle.target_reason, end)

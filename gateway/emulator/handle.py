@@ -3,7 +3,9 @@
 A :class:`GenerationHandle` keeps a produced-token counter and an event instead
 of a queue: the driver never waits on a reader, and a slow reader gets several
 tokens in one :class:`TokenDelta` (vLLM's output collector merges deltas the
-same way).
+same way). With the engine model's frontend term the driver passes a delay:
+readers then see the tokens (and the end) that many real seconds after the
+engine made them, never out of order.
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ class GenerationHandle:
         self.reported_cached: int | None = None
         """P/D decode leg: the prefill engine's ``remote_prefill_cached_tokens``."""
         self._delivered = 0
+        self._visible = 0
+        """Tokens readers may see (``produced`` less those still on their way)."""
+        self._shown_reason: str | None = None
+        self._show_at = 0.0
         self._error: str | None = None
         self._event = asyncio.Event()
         self._done = asyncio.Event()
@@ -89,18 +95,36 @@ class GenerationHandle:
     def done(self) -> bool:
         return self.finish_reason is not None or self._error is not None
 
-    def push(self, count: int, now: float) -> None:
-        """Driver side: ``count`` more tokens exist at virtual time ``now``."""
+    def push(self, count: int, now: float, delay_s: float = 0.0) -> None:
+        """Driver side: ``count`` more tokens exist at virtual time ``now``; readers see
+        them ``delay_s`` real seconds later."""
         self.produced += count
         self.last_token_time = now
-        self._event.set()
+        self._later(delay_s, self.produced, None)
 
-    def finish(self, reason: str) -> None:
-        """Driver side: generation ended (``stop``, ``length`` or ``abort``)."""
+    def finish(self, reason: str, delay_s: float = 0.0) -> None:
+        """Driver side: generation ended (``stop``, ``length`` or ``abort``); readers see
+        the end ``delay_s`` real seconds later (an abort at once)."""
         if self.finish_reason is None:
             self.finish_reason = reason
-            self._event.set()
+            self._later(0.0 if reason == "abort" else delay_s, self.produced, reason)
+
+    def _later(self, delay_s: float, visible: int, reason: str | None) -> None:
+        """Show readers ``visible`` tokens (and ``reason``) after ``delay_s``, in order."""
+        loop = asyncio.get_running_loop() if delay_s > 0 or self._show_at else None
+        if loop is None:
+            self._show(visible, reason)
+            return
+        at = max(loop.time() + delay_s, self._show_at)
+        self._show_at = at
+        loop.call_at(at, self._show, visible, reason)
+
+    def _show(self, visible: int, reason: str | None) -> None:
+        self._visible = max(self._visible, visible)
+        if reason is not None and self._shown_reason is None:
+            self._shown_reason = reason
             self._done.set()
+        self._event.set()
 
     def fail(self, message: str) -> None:
         """Driver side: the engine died; readers get :class:`EngineDeadError`."""
@@ -118,9 +142,9 @@ class GenerationHandle:
             if self._error is not None:
                 raise EngineDeadError(self._error)
             start = self._delivered
-            count = self.produced - start
-            reason = self.finish_reason
-            self._delivered = self.produced
+            count = self._visible - start
+            reason = self._shown_reason
+            self._delivered = self._visible
             if count or reason is not None:
                 yield TokenDelta(start, count, reason)
             if reason is not None:
@@ -131,6 +155,6 @@ class GenerationHandle:
         await self._done.wait()
         if self._error is not None:
             raise EngineDeadError(self._error)
-        assert self.finish_reason is not None
-        self._delivered = self.produced
-        return self.finish_reason
+        assert self._shown_reason is not None
+        self._delivered = self._visible
+        return self._shown_reason

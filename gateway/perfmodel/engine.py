@@ -18,6 +18,7 @@ request arrives mid-run. The emulator sets ``max_decode_run=1``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from gateway.perfmodel.kvcache import BlockPool
@@ -54,6 +55,22 @@ class EngineRequest:
     first_scheduled: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    client_delay_first: float = 0.0
+    """Seconds the first token took from the engine to the client (the frontend term)."""
+    client_delay_last: float = 0.0
+    """The same for the last token."""
+
+    @property
+    def client_first_token_time(self) -> float | None:
+        """When the client saw the first token (engine time plus the frontend delay)."""
+        t = self.first_token_time
+        return None if t is None else t + self.client_delay_first
+
+    @property
+    def client_finish_time(self) -> float | None:
+        """When the client saw the last token."""
+        t = self.finish_time
+        return None if t is None else t + self.client_delay_last
 
     @property
     def total_tokens(self) -> int:
@@ -128,6 +145,8 @@ class EngineCore:
         self._waiting_pending = 0
         self._running_pending = 0
         self._by_id: dict[str, EngineRequest] = {}
+        self._last_end = -math.inf
+        """End of the last step: an engine idle since long enough wakes slowly."""
 
     # -- state ---------------------------------------------------------------
     @property
@@ -210,6 +229,10 @@ class EngineCore:
         plan = self._schedule(now)
         if plan is None:
             return None
+        wake = self.model.wake_delay(now - self._last_end)
+        if wake:
+            plan.start += wake
+            plan.end += wake
         if plan.decode_only and self.max_decode_run > 1:
             self._extend_decode_run(plan, horizon)
         self._plan = plan
@@ -242,6 +265,7 @@ class EngineCore:
         self.steps += plan.steps
         if plan.steps > 1:
             self.waiting.skip_steps(plan.steps - 1)
+        self._last_end = plan.end
         out = StepOutcome(start=plan.start, end=plan.end, steps=plan.steps)
         out.preempted = plan.preempted
         bs = self.model.block_size
@@ -278,6 +302,12 @@ class EngineCore:
             if req.num_output >= req.output_tokens:
                 req.finish_time = plan.end
                 out.finished.append(req)
+        delay = self.model.frontend_delay(len(out.tokens))
+        if delay:
+            for req in out.first_tokens:
+                req.client_delay_first = delay
+            for req in out.finished:
+                req.client_delay_last = delay
         for req in out.finished:
             self._drop_running(req)
         for req in [r for r in self.running if r.aborted]:

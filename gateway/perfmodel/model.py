@@ -13,6 +13,14 @@ sequences holding ``ctx_total`` context tokens in all takes::
 A mixed step (chunked prefill + decodes, as vLLM's V1 scheduler builds them)
 pays the fixed cost once: ``max(a, e0)`` plus the variable parts of each.
 The same model prices steps in the simulator and in the emulator.
+
+Two costs sit outside the steps (both 0 in the datasheet presets; ``kvgate
+calibrate`` measures them on a real engine). The *frontend*: a token the
+engine produced reaches the client ``frontend_ms + frontend_per_stream_ms *
+(streams - 1)`` later, where ``streams`` is how many requests got a token in
+that step (the API server detokenizes and writes every stream's chunk). The
+*idle wake*: the first step after the engine sat idle for ``idle_after_s`` or
+longer starts ``idle_wake_ms`` late (vLLM's busy loops go to sleep).
 """
 
 from __future__ import annotations
@@ -41,6 +49,10 @@ class PerfModel:
     max_num_seqs: int = 256
     max_model_len: int = 131_072
     kv_bytes_per_token: int = 131_072
+    frontend_ms: float = 0.0
+    frontend_per_stream_ms: float = 0.0
+    idle_wake_ms: float = 0.0
+    idle_after_s: float = 1.0
     description: str = ""
     sources: tuple[str, ...] = field(default_factory=tuple)
 
@@ -56,6 +68,10 @@ class PerfModel:
             "decode_e0",
             "decode_e1",
             "decode_e2",
+            "frontend_ms",
+            "frontend_per_stream_ms",
+            "idle_wake_ms",
+            "idle_after_s",
         ):
             value = getattr(self, name)
             if value < 0 or not math.isfinite(value):
@@ -130,6 +146,16 @@ class PerfModel:
             else:
                 hi = mid
         return lo
+
+    def frontend_delay(self, streams: int) -> float:
+        """Seconds from a step's end until its tokens reach clients (``streams`` got one)."""
+        if not (self.frontend_ms or self.frontend_per_stream_ms):
+            return 0.0
+        return (self.frontend_ms + self.frontend_per_stream_ms * max(0, streams - 1)) / 1000.0
+
+    def wake_delay(self, idle_s: float) -> float:
+        """Seconds the first step after ``idle_s`` idle seconds starts late."""
+        return self.idle_wake_ms / 1000.0 if idle_s >= self.idle_after_s else 0.0
 
     def seconds_per_prefill_token(self, ctx: int = 0) -> float:
         """Marginal prefill cost of one token at context ``ctx`` (for quick TTFT estimates)."""

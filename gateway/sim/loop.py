@@ -39,6 +39,11 @@ class ClusterSpec:
     """P/D: the first this many engines are prefill-only, the rest decode-only (0: unified)."""
     kv_bandwidth_gbps: float = 25.0
     """P/D: KV transfer bandwidth between a prefill and a decode engine."""
+    engine_ids: tuple[str, ...] = ()
+    """Names of the engines (default ``sim-<i>``)."""
+    scrape_interval_s: float = 0.0
+    """Policies see engine-reported load (waiting, running, KV usage) as a gateway scraping
+    every this many seconds would (0: exact, fresh at every decision)."""
     pd: PDSettings = field(default_factory=PDSettings)
     """P/D: the thresholds of the local-or-remote prefill rule (``PolicyContext.pd`` too)."""
 
@@ -58,6 +63,11 @@ class ClusterSpec:
     @property
     def max_instances(self) -> int:
         return max([self.instances, *(n for _, n in self.scale_events)])
+
+    def engine_id(self, index: int) -> str:
+        """``engine_ids[index]`` (a live cluster's URLs, so hash-placed policies place the
+        engines alike), else ``sim-<index>``."""
+        return self.engine_ids[index] if index < len(self.engine_ids) else f"sim-{index}"
 
 
 @dataclass(slots=True)
@@ -130,7 +140,7 @@ class Simulation:
         self.dispatcher = Dispatcher(policy, timer=timer, pd=cluster.pd, perf=cluster.perf)
         self.engines = [
             EngineCore(
-                f"sim-{i}",
+                cluster.engine_id(i),
                 cluster.perf,
                 priority_groups=cluster.priority_groups,
                 track_cache_events=policy.wants_cache_events,
@@ -145,6 +155,8 @@ class Simulation:
         self._heap: list[tuple[float, int, int, int]] = []
         self._transfers: list[tuple[float, int, RequestRecord]] = []
         self._seq = 0
+        self._scrape: list[tuple[int, int, float]] = []
+        self._next_scrape = -math.inf
 
     def run(self) -> SimRun:
         reqs = self.workload.requests
@@ -188,7 +200,7 @@ class Simulation:
             if record.rejected is None and not record.held:
                 self._submit(record, src.arrival, horizon)
             if len(self.dispatcher.queues):
-                for target in self.dispatcher.rebalance(self._view(), src.arrival):
+                for target in self.dispatcher.rebalance(self._view(src.arrival), src.arrival):
                     self._release(target, src.arrival, horizon)
         out.decision_seconds = self.dispatcher.times.samples
         out.preemptions = sum(e.preemptions for e in self.engines)
@@ -212,7 +224,7 @@ class Simulation:
         )
         record = RequestRecord(source=src, info=info)
         try:
-            decision = self.dispatcher.route(info, self._view(), now, handle=record)
+            decision = self.dispatcher.route(info, self._view(now), now, handle=record)
         except QueueFullError as exc:
             record.rejected = str(exc)
             return record
@@ -260,7 +272,7 @@ class Simulation:
 
     def _release(self, engine_id: str, now: float, horizon: float) -> None:
         """Send held requests the policy lets go to ``engine_id``."""
-        for item in self.dispatcher.release(engine_id, self._view(), now):
+        for item in self.dispatcher.release(engine_id, self._view(now), now):
             record = item.handle
             assert isinstance(record, RequestRecord)
             record.engine = item.engine
@@ -287,7 +299,7 @@ class Simulation:
             if isinstance(req.payload, _PrefillLeg):
                 continue
             record = _record(req)
-            record.first_token_time = req.first_token_time
+            record.first_token_time = req.client_first_token_time
             if record.prefill_engine is None:
                 record.cached_tokens = req.cached_tokens or 0
             dispatcher.first_token(record.info, engine.id, now)
@@ -295,7 +307,7 @@ class Simulation:
             if isinstance(req.payload, _PrefillLeg):
                 continue
             record = _record(req)
-            record.finish_time = req.finish_time
+            record.finish_time = req.client_finish_time
             record.preemptions = req.preemptions
             done = replace(record.info, output_tokens=req.num_output)
             dispatcher.finished(done, engine.id, now, ok=True)
@@ -319,18 +331,19 @@ class Simulation:
         self._seq += 1
         heapq.heappush(self._heap, (end, self._seq, idx, self._versions[idx]))
 
-    def _view(self) -> ClusterView:
+    def _view(self, now: float) -> ClusterView:
         in_flight = self.dispatcher.in_flight
         queues = self.dispatcher.queues
+        scraped = self._scraped(now)
         return ClusterView(
             tuple(
                 EngineView(
                     id=e.id,
                     role=self.cluster.role(i),
-                    num_waiting=e.num_waiting,
-                    num_running=e.num_running,
+                    num_waiting=scraped[i][0],
+                    num_running=scraped[i][1],
                     pending_prefill_tokens=e.pending_prefill_tokens,
-                    kv_usage=e.kv_usage,
+                    kv_usage=scraped[i][2],
                     kv_capacity_blocks=e.pool.capacity,
                     in_flight=in_flight.get(e.id, 0),
                     router_queued=queues.count(e.id),
@@ -339,6 +352,16 @@ class Simulation:
                 for i, e in enumerate(self.engines[: self._active])
             )
         )
+
+    def _scraped(self, now: float) -> list[tuple[int, int, float]]:
+        """Each engine's (waiting, running, KV usage): exact, or as the gateway's scraper last
+        read them (``scrape_interval_s``: refreshed at the first view of each interval)."""
+        interval = self.cluster.scrape_interval_s
+        if interval <= 0 or now >= self._next_scrape:
+            self._scrape = [(e.num_waiting, e.num_running, e.kv_usage) for e in self.engines]
+            if interval > 0:
+                self._next_scrape = (math.floor(now / interval) + 1) * interval
+        return self._scrape
 
 
 @dataclass(slots=True)
