@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from gateway.sim.bound import fraction_of_bound
+
 _COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("cache_hit_rate", "hit rate", "pct"),
     ("ttft_p50", "TTFT p50", "s"),
@@ -84,6 +86,10 @@ def render_report(results: Mapping[str, Any], plots: list[str] | None = None) ->
     if bound:
         cells = [_fmt(bound.get(key), kind) for key, _, kind in cols]
         lines.append("| *pooled bound* | " + " | ".join(cells) + " |")
+    shared: Mapping[str, Any] | None = results.get("shared_queue_bound")
+    if shared:
+        cells = [_fmt(shared.get(key), kind) for key, _, kind in cols]
+        lines.append("| *shared-queue bound* | " + " | ".join(cells) + " |")
     classes = sorted({c for p in pols.values() for c in p.get("per_class", {})})
     if classes:
         lines += ["", "## Per SLO class", ""]
@@ -147,6 +153,23 @@ def _bound_section(
         cells = [_fmt(vs.get(key), "pct") for key, _ in cols]
         cells.append(_fmt(pol["cache_hit_rate"] / upper if upper else None, "pct"))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if results.get("shared_queue_bound"):
+        lines += [
+            "",
+            "## Against the shared-queue bound",
+            "",
+            "The same fractions of the tighter shared-queue bound (engines of normal speed, "
+            "one central work-conserving queue, one global KV cache; "
+            "docs/simulator.md#the-shared-queue-bound).",
+            "",
+            "| policy | " + " | ".join(label for _, label in cols) + " |",
+            "|---|" + "---:|" * len(cols),
+        ]
+        for name, pol in pols.items():
+            vs = pol.get("vs_shared_queue", {})
+            lines.append(
+                f"| {name} | " + " | ".join(_fmt(vs.get(key), "pct") for key, _ in cols) + " |"
+            )
     return lines
 
 
@@ -161,7 +184,7 @@ _CONSOLE: tuple[tuple[str, str, str], ...] = (
 
 
 def render_console(results: Mapping[str, Any]) -> str:
-    """A plain-text table for the terminal: policies, the pooled bound, fractions of it."""
+    """A plain-text table for the terminal: policies, both bounds, fractions of the pooled one."""
     pols: Mapping[str, Mapping[str, Any]] = results["policies"]
     bound: Mapping[str, Any] | None = results.get("pooled_bound")
     cols = [c for c in _CONSOLE if any(p.get(c[0]) is not None for p in pols.values())]
@@ -176,6 +199,12 @@ def render_console(results: Mapping[str, Any]) -> str:
     if bound:
         cells = ["pooled bound", *(_fmt(bound.get(k), kind) for k, _, kind in cols)]
         rows.append(cells + ["100.0%"] * len(vs))
+    shared: Mapping[str, Any] | None = results.get("shared_queue_bound")
+    if shared:
+        cells = ["shared-queue bound", *(_fmt(shared.get(k), kind) for k, _, kind in cols)]
+        rows.append(
+            cells + [_fmt(fraction_of_bound(shared, bound or {}).get(k), "pct") for k, _ in vs]
+        )
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     out = [
         "  ".join(

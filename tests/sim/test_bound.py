@@ -148,7 +148,12 @@ def test_every_simulate_report_shows_the_bound(
     assert results["policies"]["cache_aware"]["vs_bound"]["capacity_rps"] > 0
     report = (out / "report.md").read_text()
     assert "| *pooled bound* |" in report and "## Against the pooled bound" in report
+    assert "| *shared-queue bound* |" in report and "## Against the shared-queue bound" in report
+    shared = results["shared_queue_bound"]
+    assert shared["engines"] == 3 and 0 < shared["capacity_rps"] <= bound["capacity_rps"]
+    assert results["policies"]["cache_aware"]["vs_shared_queue"]["capacity_rps"] > 0
     assert "[bound] pooled (3 engines as one)" in captured.err
     table = captured.out.splitlines()
     assert table[0].split()[:2] == ["policy", "hit"] and "capacity / bound" in table[0]
     assert any(line.startswith("pooled bound") for line in table)
+    assert any(line.startswith("shared-queue bound") for line in table)
