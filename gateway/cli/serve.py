@@ -62,6 +62,14 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-key", metavar="KEY", help="protect /admin routes with this key")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N gateway processes sharing the port (SO_REUSEPORT), each a replica with "
+        "the same settings; a supervisor restarts a worker that dies (default 1)",
+    )
+    p.add_argument(
         "--record",
         metavar="PATH",
         help="record traffic (no prompt text: lengths, arrivals, salted block hashes) to PATH "
@@ -125,6 +133,11 @@ def run(args: argparse.Namespace) -> int:
     from gateway.proxy.app import create_app
 
     settings = settings_from_args(args)
+    workers = getattr(args, "workers", 1)
+    if workers < 1:
+        raise ConfigError("--workers must be at least 1")
+    if workers > 1 and settings.record.path is not None:
+        raise ConfigError("--record writes one file from one process: not with --workers")
     if settings.record.path is not None:  # a one-line error now, not a failed startup later
         record = Path(settings.record.path)
         try:
@@ -135,6 +148,10 @@ def run(args: argparse.Namespace) -> int:
     from gateway.cli.http_limits import server_options
 
     configure_logging(settings.log_level)
+    if workers > 1:  # N processes on one port, each a replica (gateway/cli/workers.py)
+        from gateway.cli.workers import Supervisor
+
+        return Supervisor(settings, workers).run()
     # uvicorn drains on SIGTERM (stops listening, lets open requests finish within the grace
     # period), then re-raises the signal to the handler it found: this one, so a drained
     # gateway exits 0 instead of dying by the signal.
