@@ -9,6 +9,8 @@
     python benchmarks/evaluate.py scaling    # 8 -> 9 engines mid-run under dualmap
     python benchmarks/evaluate.py suite      # issue 13's suite: every policy x workload x preset
                                              # against both bounds (see benchmarks/suite.py)
+    python benchmarks/evaluate.py workload-stats [SPEC ...]  # gen:chat / gen:agent statistics
+    python benchmarks/evaluate.py bound-check [SPEC:ENGINES ...]  # policies below the bounds
 
 Each prints Markdown tables. Loads are set per engine so that 1.0x sits near round robin's
 saturation point on the default preset (mistral-7b-a6000); the sweep goes past it.
@@ -340,6 +342,14 @@ def main() -> int:
         from suite import main as suite_main  # benchmarks/suite.py, beside this file
 
         return suite_main(sys.argv[2:])
+    if sys.argv[1:2] == ["workload-stats"]:
+        from suite import workload_stats
+
+        return workload_stats(sys.argv[2:])
+    if sys.argv[1:2] == ["bound-check"]:
+        from suite import bound_check
+
+        return bound_check(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "table",
@@ -352,6 +362,8 @@ def main() -> int:
             "dualmap-ablation",
             "scaling",
             "suite",
+            "workload-stats",
+            "bound-check",
         ],
     )
     ap.add_argument("--workloads", default="", help="comma-separated subset of the workloads")
