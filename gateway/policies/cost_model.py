@@ -205,6 +205,17 @@ class CostModelPolicy(PolicyBase):
             pd_reason=best.reason.value if best.reason else "",
         )
 
+    def explain(self, req: RequestInfo, view: ClusterView) -> list[tuple[str, str, float, str]]:
+        """Every option ``decide`` would price now: (decode engine, prefill engine or
+        ``local``, added completion time in seconds, P/D reason), cheapest first."""
+        return sorted(
+            (
+                (o.decode.id, o.prefill.id if o.prefill else "local", o.cost, str(o.reason or ""))
+                for o in self._options(req, view)
+            ),
+            key=lambda t: t[2],
+        )
+
     def _cheapest(self, options: Sequence[_Option]) -> _Option:
         """The least added completion time; among options within ``tie_s`` of it, the
         decode engine with the fewest requests in flight, then the least recently used."""
