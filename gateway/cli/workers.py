@@ -75,19 +75,30 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def worker_settings(values: dict[str, Any], index: int) -> Settings:
+    """Worker ``index``'s settings: the supervisor's, with ``-w<index>`` appended to an
+    explicit ``replica_sync.replica_id`` (replica sync ignores messages carrying its own id,
+    so workers sharing one would not see each other's load)."""
+    sync = values.get("replica_sync")
+    if isinstance(sync, dict) and sync.get("replica_id"):
+        sync = {**sync, "replica_id": f"{sync['replica_id']}-w{index}"}
+        values = {**values, "replica_sync": sync}
+    return Settings.model_validate(values)
+
+
 def worker_main(values: dict[str, Any], port: int, index: int, ready: Any) -> None:
     """One worker process: the gateway app on its own SO_REUSEPORT socket.
 
     ``values`` is the supervisor's resolved settings (``Settings.model_dump()``, secrets
     included): validated again as they are, without reading the environment or a file, so
-    every worker runs with exactly the supervisor's settings."""
+    every worker runs with exactly the supervisor's settings (:func:`worker_settings`)."""
     import uvicorn
 
     from gateway.cli.http_limits import server_options
     from gateway.observability import configure_logging
     from gateway.proxy.app import create_app
 
-    settings = Settings.model_validate(values)
+    settings = worker_settings(values, index)
     configure_logging(settings.log_level)
     sock = reuseport_socket(settings.host, port)  # listened on after startup, by uvicorn
 

@@ -230,3 +230,30 @@ def test_a_taken_port_or_no_worker_is_a_one_line_error(engine: Proc) -> None:
             assert out.returncode != 0
             assert message in out.stderr, out.stderr
             assert "Traceback" not in out.stderr
+
+
+def test_workers_get_the_supervisors_settings_and_distinct_replica_ids(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gateway.cli.workers import worker_settings
+    from gateway.config import load_settings
+
+    resolved = load_settings(
+        None,
+        engines=[{"url": "http://a:1", "api_key": "engine-secret"}],
+        api_keys=["client-key"],
+        kv_events=True,
+        keying="tokens",
+        replica_sync={"nats_url": "nats://n:4222", "replica_id": "gw"},
+    )
+    monkeypatch.setenv("KVGATE_KV_EVENTS", "false")  # a worker does not read it again
+    workers = [worker_settings(resolved.model_dump(), i) for i in range(2)]
+    for w in workers:
+        assert w.kv_events is True and w.keying == "tokens"
+        assert w.api_keys[0].get_secret_value() == "client-key"
+        engine_key = w.engines[0].api_key
+        assert engine_key is not None and engine_key.get_secret_value() == "engine-secret"
+        assert w.replica_sync.nats_url == "nats://n:4222"
+    assert [w.replica_sync.replica_id for w in workers] == ["gw-w0", "gw-w1"]
+    unnamed = load_settings(None, engines=[{"url": "http://a:1"}])
+    assert worker_settings(unnamed.model_dump(), 1).replica_sync.replica_id is None
