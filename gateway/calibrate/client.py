@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.calibrate.frontend import LatencySums
 from gateway.core.errors import ConfigError
 
 
@@ -41,6 +42,14 @@ class StreamResult:
     @property
     def ttft(self) -> float:
         return self.times[0] - self.sent
+
+
+_LATENCY = {
+    "vllm:time_to_first_token_seconds_sum": "ttft_sum",
+    "vllm:time_to_first_token_seconds_count": "ttft_count",
+    "vllm:e2e_request_latency_seconds_sum": "e2e_sum",
+    "vllm:e2e_request_latency_seconds_count": "e2e_count",
+}
 
 
 def _one_line(text: str, limit: int = 200) -> str:
@@ -150,6 +159,28 @@ class EngineClient:
         except (httpx.HTTPError, ValueError):
             pass
         return None, None
+
+    async def latency_sums(self) -> LatencySums | None:
+        """The engine's own TTFT and E2E histogram sums and counts (``None`` without them)."""
+        try:
+            resp = await self._http.get("/metrics")
+        except httpx.HTTPError:
+            return None
+        if resp.status_code != 200:
+            return None
+        got: dict[str, float] = {}
+        try:
+            families = list(text_string_to_metric_families(resp.text))
+        except ValueError:
+            return None
+        for family in families:
+            for s in family.samples:
+                key = _LATENCY.get(s.name)
+                if key is not None:
+                    got[key] = got.get(key, 0.0) + s.value
+        if len(got) < 4:
+            return None
+        return LatencySums(got["ttft_sum"], got["ttft_count"], got["e2e_sum"], got["e2e_count"])
 
     async def count_tokens(self, text: str) -> int | None:
         """Prompt tokens of ``text`` by ``/tokenize``; ``None`` when the engine lacks it."""

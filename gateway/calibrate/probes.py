@@ -16,7 +16,11 @@ the time budget runs out) and each probe's samples are reduced to their median.
   such a burst are microseconds.
 
 The round trip of a request without a model step (``/tokenize``, else
-``/v1/models``) is the HTTP floor, subtracted from every time to first token.
+``/v1/models``) is the HTTP floor, subtracted from every client-side time to
+first token. Around each probe the engine's own latency histograms are read
+too (:mod:`gateway.calibrate.frontend`): prefill times as the engine measured
+them, and the frontend samples (client minus engine time); after the rounds,
+idle-gap probes measure the idle wake.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Literal
 
 from gateway.calibrate.client import EngineClient, EngineFacts, StreamResult
 from gateway.calibrate.fit import DecodeSample, PrefillSample
+from gateway.calibrate.frontend import WAKE_GAPS_S, FrontendSample, WakeSample
 from gateway.core.errors import ConfigError
 
 Say = Callable[[str], None]
@@ -136,7 +141,12 @@ class Measurements:
 
     facts: EngineFacts
     prefill: list[PrefillSample] = field(default_factory=list)
+    """Client TTFT minus the HTTP floor."""
+    prefill_engine: list[PrefillSample] = field(default_factory=list)
+    """The engine's own TTFT (where it exports ``time_to_first_token_seconds``)."""
     decode: list[DecodeSample] = field(default_factory=list)
+    frontend: list[FrontendSample] = field(default_factory=list)
+    wake: list[WakeSample] = field(default_factory=list)
     http_floor_ms: float = 0.0
     chars_per_token: float = 4.0
     tokenize: bool = False
@@ -177,6 +187,7 @@ class Runner:
         self._start = time.perf_counter()
         self._deadline = self._start + budget_s
         self._prefill: dict[Probe, list[PrefillSample]] = {}
+        self._prefill_engine: dict[Probe, list[PrefillSample]] = {}
         self._decode: dict[Probe, list[DecodeSample]] = {}
         self._prefixes: dict[int, tuple[str, int]] = {}
 
@@ -213,7 +224,9 @@ class Runner:
                 break
             out.rounds += 1
             last_round = time.perf_counter() - began
+        await self._wake_points()
         out.prefill = _median_samples(self._prefill)
+        out.prefill_engine = _median_samples(self._prefill_engine)
         med = statistics.median
         for g in self._decode.values():
             out.decode.append(
@@ -241,8 +254,35 @@ class Runner:
         counted = await self.client.count_tokens(prompt) if self.out.tokenize else None
         return counted if counted is not None else round(len(prompt) / self.text.chars_per_token)
 
+    async def _wake_points(self) -> None:
+        """TTFT of a small probe after each idle gap, ``repeats`` times as the budget allows."""
+        need = sum(WAKE_GAPS_S) + 0.5 * len(WAKE_GAPS_S)
+        for r in range(self.plan.repeats):
+            if time.perf_counter() + need > self._deadline:
+                self.out.stopped_early = True
+                self.say(f"idle-wake probes: {r} round(s), the time budget is spent")
+                return
+            for gap in WAKE_GAPS_S:
+                await self.client.complete(self.text.words(40), 1)
+                await asyncio.sleep(gap)
+                res = await self.client.complete(self.text.words(self.text.chars(32)), 1)
+                self.out.wake.append(WakeSample(gap, 1000.0 * res.ttft))
+            shown = ", ".join(f"{w.gap_s:g} s {w.ms:.1f} ms" for w in self.out.wake[-5:])
+            self.say(f"[{self._elapsed():6.1f} s] idle-wake round {r + 1}: TTFT after {shown}")
+
+    def _frontend(self, streams: int, client: tuple[float, float], engine: object) -> str:
+        """Note client-minus-engine samples; ``engine`` is the engine's (TTFT, E2E) or None."""
+        if not isinstance(engine, tuple):
+            return ""
+        for i, e2e in ((0, False), (1, True)):
+            self.out.frontend.append(FrontendSample(streams, client[i], engine[i], e2e))
+        return f"; engine {engine[0]:.1f} / {engine[1]:.1f} ms"
+
     async def _prefill_point(self, key: Probe, prompt: str, prefix_tokens: int) -> str:
+        before = await self.client.latency_sums()
         res = await self.client.complete(prompt, 1)
+        after = await self.client.latency_sums()
+        engine = after.since(before) if before is not None and after is not None else None
         total = await self._prompt_tokens(res, prompt)
         if res.cached_tokens is not None:
             ctx = res.cached_tokens
@@ -253,8 +293,13 @@ class Runner:
         one_chunk = extend <= self.plan.max_batched_tokens  # one prefill step: usable
         if one_chunk:
             self._prefill.setdefault(key, []).append(PrefillSample(extend, ctx, ms))
+            if engine is not None:
+                sample = PrefillSample(extend, ctx, engine[0])
+                self._prefill_engine.setdefault(key, []).append(sample)
         note = "" if one_chunk else "; several chunks, not fitted"
-        return f"TTFT {1000.0 * res.ttft:.1f} ms ({extend} new on {ctx} cached{note})"
+        client = (1000.0 * res.ttft, 1000.0 * (res.times[-1] - res.sent))
+        seen = self._frontend(1, client, engine)
+        return f"TTFT {1000.0 * res.ttft:.1f} ms ({extend} new on {ctx} cached{note}){seen}"
 
     async def _run_probe(self, probe: Probe) -> str:
         text = self.text
@@ -276,12 +321,20 @@ class Runner:
         steps_to_admit = math.ceil(k * n / self.plan.max_batched_tokens)
         max_tokens = self.plan.decode_tokens + steps_to_admit + 1
         prompts = [self.text.words(self.text.chars(n)) for _ in range(k)]
+        before = await self.client.latency_sums()
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(self.client.complete(p, max_tokens)) for p in prompts]
         except* ConfigError as errors:  # report the first failure, not an exception group
             raise errors.exceptions[0] from None
         results = [t.result() for t in tasks]
+        after = await self.client.latency_sums()
+        engine = after.since(before) if before is not None and after is not None else None
+        client = (
+            1000.0 * statistics.mean(r.ttft for r in results),
+            1000.0 * statistics.mean(r.times[-1] - r.sent for r in results),
+        )
+        self._frontend(k, client, engine)
         start = max(r.times[0] for r in results)
         end = min(r.times[-1] for r in results)
         step = decode_step_seconds(results, start, end)

@@ -19,8 +19,9 @@ from gateway.calibrate.fit import (
     fit_decode,
     fit_prefill,
 )
+from gateway.calibrate.frontend import engine_clock_agrees, fit_frontend, fit_wake
 from gateway.calibrate.probes import Measurements, ProbePlan, Runner, Say
-from gateway.calibrate.profile import ProfileSource, build_profile, write_profile
+from gateway.calibrate.profile import Extras, ProfileSource, build_profile, write_profile
 from gateway.core.errors import ConfigError
 from gateway.perfmodel.model import PerfModel
 from gateway.perfmodel.presets import DEFAULT_PRESET, load_preset
@@ -121,8 +122,14 @@ def run(args: argparse.Namespace) -> int:
     when = datetime.now(UTC)
     got = asyncio.run(measure(args, base, say))
     fallback = {term: float(getattr(base, term)) for term in (*PREFILL_TERMS, *DECODE_TERMS)}
-    prefill = _fit("prefill", fit_prefill, got.prefill, fallback)
+    # with the engine's own latencies on our clock, prefill is what the engine measured and
+    # the rest of the client's time is the frontend term; otherwise client TTFT minus floor
+    engine_side = engine_clock_agrees(got.frontend) and bool(got.prefill_engine)
+    prefill_samples = got.prefill_engine if engine_side else got.prefill
+    prefill = _fit("prefill", fit_prefill, prefill_samples, fallback)
     decode = _fit("decode", fit_decode, got.decode, fallback)
+    frontend = fit_frontend(got.frontend, got.http_floor_ms)
+    wake = fit_wake(got.wake, base.idle_after_s)
     engine: dict[str, int] = {}
     if got.facts.max_model_len:
         engine["max_model_len"] = got.facts.max_model_len
@@ -141,9 +148,13 @@ def run(args: argparse.Namespace) -> int:
         http_floor_ms=got.http_floor_ms,
         stopped_early=got.stopped_early,
     )
-    profile = build_profile(base, prefill, decode, source, name=out.stem, engine=engine)
+    extra = Extras(frontend, wake, engine_side)
+    profile = build_profile(
+        base, prefill, decode, source, name=out.stem, engine=engine, extras=extra
+    )
     write_profile(out, profile)
     print(summary(base, prefill, decode, got))
+    print(extra.describe())
     print(f"wrote {out} (use it as --preset {out})")
     return 0
 
