@@ -257,3 +257,27 @@ def test_workers_get_the_supervisors_settings_and_distinct_replica_ids(
     assert [w.replica_sync.replica_id for w in workers] == ["gw-w0", "gw-w1"]
     unnamed = load_settings(None, engines=[{"url": "http://a:1"}])
     assert worker_settings(unnamed.model_dump(), 1).replica_sync.replica_id is None
+
+
+def test_with_kv_events_every_worker_subscribes_to_the_engines(tmp_path: Path) -> None:
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://127.0.0.1:0",
+        "replay_endpoint": "tcp://127.0.0.1:0",
+        "topic": "kv",
+    }
+    eng = start_emulator(
+        tmp_path, 1, time_scale=0.05, extra=["--kv-events-config", json.dumps(events)]
+    )
+    config = tmp_path / "kv.yaml"
+    config.write_text("kv_events: true\nkeying: tokens\n")
+    try:
+        gw, port = serve(tmp_path, eng, 2, "--config", str(config))
+        try:
+            assert set(owners(port, children(gw.popen.pid))) == children(gw.popen.pid)
+            assert gw.output().count('"subscribed to KV events"') == 2, gw.output()[-2000:]
+        finally:
+            gw.stop()
+    finally:
+        eng.stop()
