@@ -1,0 +1,45 @@
+"""The suite command on a tiny configuration: rows, ratios, skipped traces, parallel jobs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import suite
+
+
+def test_tiny_suite_renders_ratios_and_notes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("KVGATE_DATA", str(tmp_path / "no-data"))
+    out = tmp_path / "suite.json"
+    args = ["--presets", "mistral-7b-a6000", "--workloads", "no_sharing,mooncake"]
+    args += ["--policies", "round_robin,least_loaded", "--requests", "20", "--instances", "2"]
+    args += ["--jobs", "2", "--json", str(out)]
+    assert suite.main(args) == 0
+    captured = capsys.readouterr()
+    text = captured.out
+    assert "### mistral-7b-a6000: 2 engines" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "least_loaded" in line]
+    ll = next(r for r in rows if "| least_loaded |" in r).split("|")
+    assert ll[4].strip() == "1.00"  # least_loaded / least_loaded
+    assert "*shared-queue bound*" in text and "*pooled*" in text
+    assert "skipped mooncake" in text  # no trace folder: a note, not a crash
+    assert "[3/3]" in captured.err  # progress: 1 bounds task + 2 policies
+    raw = json.loads(out.read_text())
+    run = raw["runs"][0]
+    assert run["workload"] == "no_sharing" and run["requests"] == 80  # 4 x --requests
+    caps = {p: r["capacity"] for p, r in run["policies"].items()}
+    assert set(caps) == {"round_robin", "least_loaded"}
+    assert all(0 < c <= run["pooled"]["capacity"] * 1.05 for c in caps.values())
+
+
+def test_unknown_names_are_refused() -> None:
+    with pytest.raises(SystemExit):
+        suite.main(["--workloads", "nope"])
+    with pytest.raises(SystemExit):
+        suite.main(["--policies", "nope"])
