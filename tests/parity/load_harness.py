@@ -7,7 +7,7 @@ keying, decision log on) in front of ``kvgate emulate`` engines of one engine
 model; the simulator runs the same requests (token-exact prompts from the
 engine's ``/tokenize``) on a cluster of the same model. Used by the parity
 tests and, with ``python tests/parity/load_harness.py``, to measure the spread
-their tolerances rest on.
+their tolerances rest on (``--summarize FILE`` prints the table of a saved run).
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ TIME_SCALE = 1.0
 RATE = 30.0
 SCRAPE_S = float(os.environ.get("KVGATE_PARITY_SCRAPE_S", "1.0"))
 """The gateway's engine scrape interval (its default 1 s)."""
+SIM_SCRAPE_S = float(os.environ.get("KVGATE_PARITY_SIM_SCRAPE_S", str(SCRAPE_S)))
+"""The scrape the simulator models (0: exact engine numbers at every decision)."""
 N = 120
 WORDS = "route cache prefix block token batch queue engine decode prefill stream serve".split()  # noqa: SIM905
 OPTIONS: dict[str, dict[str, str]] = {}
@@ -247,7 +249,7 @@ def sim_workload(cluster: Cluster, plan: list[Arrival]) -> Workload:
 def run_sim(policy: str, workload: Workload, urls: list[str]) -> list[Served]:
     """The simulated run, its engines named as the live ones (hash rings place them alike)."""
     cluster = ClusterSpec(
-        len(urls), engine_model(), engine_ids=tuple(urls), scrape_interval_s=SCRAPE_S
+        len(urls), engine_model(), engine_ids=tuple(urls), scrape_interval_s=SIM_SCRAPE_S
     )
     run = run_policy(policy, workload, cluster, options=OPTIONS.get(policy))
     return [
@@ -290,7 +292,8 @@ def _measure(policies: list[str], repeats: int) -> None:
 
     from gateway.policies.registry import policy_names
 
-    print(f"load average {os.getloadavg()}, scrape {SCRAPE_S} s", flush=True)
+    print(f"load average {os.getloadavg()}, scrape {SCRAPE_S} s (sim {SIM_SCRAPE_S})", flush=True)
+    lines: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         cluster = start_cluster(Path(tmp))
         try:
@@ -317,9 +320,46 @@ def _measure(policies: list[str], repeats: int) -> None:
                         "wall_s": [round(x.wall_s, 2) for x in live],
                     }
                     print(json.dumps(row), flush=True)
+                    lines.append(json.dumps(row))
         finally:
             cluster.stop()
+    print(summarize(lines))
+
+
+def summarize(lines: list[str]) -> str:
+    """The largest gaps per policy over measurement rows (the JSON lines printed above)."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for line in lines:
+        if line.startswith("{"):
+            row = json.loads(line)
+            by.setdefault(row["policy"], []).append(row)
+    out = [
+        "| policy | runs | share gap live-live | share gap live-sim | sorted live-sim "
+        "| hit gap live-live | hit gap live-sim | max in flight (min over runs) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for policy, rows in by.items():
+        srt = max(
+            max(abs(a - b) for a, b in zip(sorted(x), sorted(r["shares_sim"]), strict=True))
+            for r in rows
+            for x in r["shares_live"]
+        )
+        cells = [
+            len(rows) * 2,
+            max(r["live_live_share"] for r in rows),
+            max(max(r["live_sim_share"]) for r in rows),
+            srt,
+            max(abs(r["hit_live"][0] - r["hit_live"][1]) for r in rows),
+            max(abs(h - r["hit_sim"]) for r in rows for h in r["hit_live"]),
+        ]
+        inflight = min(min(r["in_flight"]) for r in rows)
+        shown = [str(cells[0]), *(f"{c:.3f}" for c in cells[1:])]
+        out.append(f"| {policy} | " + " | ".join(shown) + f" | {inflight} |")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
-    _measure([p for p in sys.argv[1].split(",") if p] if len(sys.argv) > 1 else [], 3)
+    if len(sys.argv) > 2 and sys.argv[1] == "--summarize":
+        print(summarize(Path(sys.argv[2]).read_text().splitlines()))
+    else:
+        _measure([p for p in sys.argv[1].split(",") if p] if len(sys.argv) > 1 else [], 3)
