@@ -1,6 +1,7 @@
 """SGLang/SMG cache-aware routing: prefix affinity with a load-imbalance escape.
 
-Algorithm (SMG ``cache_aware``, HTTP mode, on block hashes instead of chars):
+Algorithm (SMG ``cache_aware``, HTTP mode, as its code routes today, on block
+hashes instead of chars):
 
 1. Load is each engine's in-flight request count (router-side). If
    ``max - min > balance_abs_threshold`` and ``max > balance_rel_threshold * min``
@@ -8,15 +9,23 @@ Algorithm (SMG ``cache_aware``, HTTP mode, on block hashes instead of chars):
 2. Otherwise match the prompt against each engine's approximate prefix tree
    (the blocks of prompts previously routed there). If the best match covers
    more than ``cache_threshold`` of the prompt, route to that engine (ties:
-   lower load); else route to the engine with the smallest tree.
+   lower load); else (a miss) route to the least loaded engine — SMG's code
+   does this since 2026 although its file header still says "the smallest
+   tree"; ``miss=smallest_tree`` restores the older rule.
 3. Record the prompt in the chosen engine's tree (bounded LRU, see
    :class:`~gateway.policies.prefix_index.PrefixIndex`).
 
-Knobs and defaults (SMG/vllm-router CLI): ``cache_threshold=0.3``,
-``balance_abs_threshold=64``, ``balance_rel_threshold=1.5``;
-``max_tree_blocks=262144`` per engine (about SGLang's 2^24-character tree).
-Source: smg-project/smg ``model_gateway/src/policies/cache_aware.rs`` header
-and the vllm-project/router docs (facts only).
+Knobs and defaults (SMG's library defaults, ``CacheAwareConfig::default``):
+``cache_threshold=0.5``, ``balance_abs_threshold=32``,
+``balance_rel_threshold=1.1``; ``miss=least_loaded``; ``max_tree_blocks=262144``
+per engine (about SGLang's 2^24-character tree). SMG's CLI and the
+vllm-project/router launcher default to 0.3 / 64 / 1.5 instead (pass them as
+options to reproduce those deployments). SMG's newer KV-pressure triggers of
+the imbalance escape are not reproduced: their thresholds are unpublished.
+``precise=true`` (or a driver delivering KV events) corrects the tree with the
+engines' stored/removed blocks, as SMG's event-driven mode does.
+Source: lightseekorg/smg ``model_gateway/src/policies/cache_aware.rs`` and
+``config`` defaults (facts only; ``../shared/docs/anchors.md``, Update).
 """
 
 from __future__ import annotations
@@ -32,9 +41,11 @@ from gateway.policies.prefix_index import PrefixIndex
 
 @dataclass(frozen=True, slots=True)
 class CacheAwareConfig:
-    cache_threshold: float = 0.3
-    balance_abs_threshold: int = 64
-    balance_rel_threshold: float = 1.5
+    cache_threshold: float = 0.5
+    balance_abs_threshold: int = 32
+    balance_rel_threshold: float = 1.1
+    miss: str = "least_loaded"
+    """Where a request without a good match goes: ``least_loaded`` or ``smallest_tree``."""
     max_tree_blocks: int = 262_144
     precise: bool = False
     """Correct the approximate tree with the engines' KV events (stored, removed, cleared)."""
@@ -44,6 +55,8 @@ class CacheAwareConfig:
             raise ValueError("cache_threshold must be within [0, 1]")
         if self.max_tree_blocks <= 0:
             raise ValueError("max_tree_blocks must be positive")
+        if self.miss not in ("least_loaded", "smallest_tree"):
+            raise ValueError("miss must be 'least_loaded' or 'smallest_tree'")
 
 
 class CacheAwarePolicy(PolicyBase):
@@ -72,11 +85,16 @@ class CacheAwarePolicy(PolicyBase):
             return Decision(
                 engine=healthy[best].id, expected_hit_tokens=hit_tokens, reason="cache_aware:hit"
             )
-        pick = min(range(len(healthy)), key=lambda i: (self.index.size(healthy[i].id), loads[i], i))
+        if cfg.miss == "smallest_tree":
+            pick = min(
+                range(len(healthy)), key=lambda i: (self.index.size(healthy[i].id), loads[i], i)
+            )
+        else:
+            pick = min(range(len(healthy)), key=lambda i: (loads[i], i))
         return Decision(
             engine=healthy[pick].id,
             expected_hit_tokens=matched.get(healthy[pick].id, 0) * req.block_size,
-            reason="cache_aware:smallest_tree",
+            reason=f"cache_aware:{cfg.miss}",
         )
 
     def on_routed(self, req: RequestInfo, decision: Decision, now: float) -> None:

@@ -11,10 +11,12 @@ from gateway.policies.base import Policy, PolicyContext, build_config
 from gateway.policies.cache_aware import CacheAwareConfig, CacheAwarePolicy
 from gateway.policies.cost_model import CostModelConfig, CostModelPolicy
 from gateway.policies.dualmap import DualMapConfig, DualMapPolicy
+from gateway.policies.kv_cost import KvCostConfig, KvCostPolicy
 from gateway.policies.least_loaded import LeastLoadedConfig, LeastLoadedPolicy
 from gateway.policies.length_heuristic import LengthHeuristicConfig, LengthHeuristicPolicy
 from gateway.policies.power_of_two import PowerOfTwoConfig, PowerOfTwoPolicy
 from gateway.policies.preble import PrebleConfig, PreblePolicy
+from gateway.policies.predicted_ttft import PredictedTtftConfig, PredictedTtftPolicy
 from gateway.policies.round_robin import RoundRobinConfig, RoundRobinPolicy
 from gateway.policies.weighted_scorer import WeightedScorerConfig, WeightedScorerPolicy
 
@@ -37,10 +39,12 @@ POLICIES: Mapping[str, PolicyFactory] = MappingProxyType(
         "power_of_two": _factory(PowerOfTwoPolicy, PowerOfTwoConfig),
         "cache_aware": _factory(CacheAwarePolicy, CacheAwareConfig),
         "weighted_scorer": _factory(WeightedScorerPolicy, WeightedScorerConfig),
+        "kv_cost": _factory(KvCostPolicy, KvCostConfig),
         "preble": _factory(PreblePolicy, PrebleConfig),
         "dualmap": _factory(DualMapPolicy, DualMapConfig),
         "cost_model": _factory(CostModelPolicy, CostModelConfig),
         "length_heuristic": _factory(LengthHeuristicPolicy, LengthHeuristicConfig),
+        "predicted_ttft": _factory(PredictedTtftPolicy, PredictedTtftConfig),
     }
 )
 """Every policy kvgate ships, by registry key."""

@@ -95,28 +95,45 @@ def test_cache_aware_follows_prefix_over_threshold() -> None:
     v = view(ev(0), ev(1), ev(2))
     shared = tuple(range(100, 110))
     first = req("a", (*shared, 1, 2))
-    # 10 of 12 blocks shared: ratio ~0.83 > 0.3, so the second request follows the first
+    # 10 of 12 blocks shared: ratio ~0.83 > 0.5, so the second request follows the first
     second = req("b", (*shared, 3, 4))
     picks = route("cache_aware", v, [first, second])
     assert picks[0] == picks[1]
 
 
-def test_cache_aware_low_match_goes_to_smallest_tree() -> None:
+def test_cache_aware_smallest_tree_option_spreads_misses() -> None:
     v = view(ev(0), ev(1), ev(2))
     reqs = [
         req("a", tuple(range(0, 10))),
         req("b", tuple(range(20, 30))),
         req("c", tuple(range(40, 50))),
     ]
-    assert sorted(route("cache_aware", v, reqs)) == ["e0", "e1", "e2"]
+    assert sorted(route("cache_aware", v, reqs, miss="smallest_tree")) == ["e0", "e1", "e2"]
+
+
+def test_cache_aware_miss_goes_to_least_loaded_not_smallest_tree() -> None:
+    """SMG's current rule (sglang #14305): a miss goes to the least loaded engine, even when
+    that engine already holds the largest tree."""
+    d = Dispatcher(create_policy("cache_aware", PolicyContext()))
+    only_e0 = view(ev(0), ev(1, healthy=False), ev(2, healthy=False))
+    for i in range(3):  # e0 gets the big tree
+        d.route(req(f"w{i}", tuple(range(100 * i, 100 * i + 10))), only_e0, 0.0)
+    # e1 and e2 hold nothing (smallest trees) but are busier than e0
+    v = view(ev(0, in_flight=1), ev(1, in_flight=5), ev(2, in_flight=6))
+    assert d.route(req("miss", tuple(range(900, 910))), v, 0.0).engine == "e0"
+    # a match below the 0.5 threshold is a miss too: 4 of 10 blocks shared with w0
+    partial = req("p", (*tuple(range(4)), *range(950, 956)))
+    v = view(ev(0, in_flight=9), ev(1, in_flight=2), ev(2, in_flight=7))
+    assert d.route(partial, v, 0.0).engine == "e1"
 
 
 @pytest.mark.parametrize(
     ("in_flight", "expected"),
     [
-        ((200, 10, 50), "e1"),  # imbalanced: max-min > 64 and max > 1.5*min -> least loaded
-        ((60, 10, 50), "e0"),  # max-min = 50 <= 64: cache affinity wins
-        ((300, 200, 250), "e0"),  # 300 <= 1.5*200: cache affinity wins
+        ((200, 10, 50), "e1"),  # imbalanced: max-min > 32 and max > 1.1*min -> least loaded
+        ((60, 10, 50), "e1"),  # SMG's library defaults (32 / 1.1) fire here too
+        ((40, 10, 30), "e0"),  # max-min = 30 <= 32: cache affinity wins
+        ((300, 280, 290), "e0"),  # 300 <= 1.1*280: cache affinity wins
     ],
 )
 def test_cache_aware_balance_escape(in_flight: tuple[int, int, int], expected: str) -> None:

@@ -241,7 +241,10 @@ async def test_admin_without_key_is_loopback_only() -> None:
 async def test_shared_prefix_follows_the_engine_that_has_it() -> None:
     engines = [FakeEngine(u) for u in (A, B, C)]
     system = {"role": "system", "content": "You are a careful assistant. " * 40}
-    async with gateway(*engines, policy={"name": "cache_aware"}) as gw:
+    # the older SMG rule sends a miss to the smallest tree: the different prompt then
+    # lands elsewhere (today's rule would send it to the least loaded, here any engine)
+    policy = {"name": "cache_aware", "options": {"miss": "smallest_tree"}}
+    async with gateway(*engines, policy=policy) as gw:
         picks = []
         for i in range(6):
             body = {"model": "m", "messages": [system, {"role": "user", "content": f"q{i}"}]}
