@@ -1,0 +1,63 @@
+"""TTFT estimates from the engine performance model and an engine's view.
+
+Shared by the policies that price an engine's queue in seconds
+(``predicted_ttft``, ``dualmap``). An engine step carries up to
+``max_num_batched_tokens`` tokens: one per running sequence (their decodes),
+the rest prefill chunks. With ``r`` sequences running and ``ctx`` tokens of
+KV in use, a full step takes ``step_time([(budget - r, 0)], r, ctx)``, so the
+engine prefills ``(budget - r) / step`` tokens per second, and a prefill is
+stretched by ``step / step_time([(budget - r, 0)], 0, 0)`` compared with the
+same prefill on an idle engine. ``ctx`` is the view's KV usage times its KV
+capacity (the model's capacity when the engine reports none).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.core.types import EngineView
+from gateway.perfmodel.model import PerfModel
+
+
+@dataclass(frozen=True, slots=True)
+class StepRate:
+    """How fast ``engine`` prefills now: tokens per second, and the stretch of a prefill."""
+
+    tokens_per_s: float
+    slowdown: float
+
+
+def step_rate(perf: PerfModel, engine: EngineView) -> StepRate:
+    """The prefill throughput of one of ``engine``'s steps, given its running decodes."""
+    budget = perf.max_num_batched_tokens
+    running = max(0, min(engine.num_running, budget - 1))
+    chunk = budget - running
+    alone = perf.step_time([(chunk, 0)], 0, 0)
+    if not running:
+        return StepRate(chunk / alone, 1.0)
+    capacity = engine.kv_capacity_blocks or perf.kv_capacity_blocks
+    ctx = int(max(0.0, min(1.0, engine.kv_usage)) * capacity) * perf.block_size
+    mixed = perf.step_time([(chunk, 0)], running, ctx)
+    return StepRate(chunk / mixed, mixed / alone)
+
+
+def queued_tokens(engine: EngineView) -> int:
+    """Prefill tokens ahead of a new request: the engine's pending ones and the router's queue."""
+    return engine.pending_prefill_tokens + engine.router_queued_tokens
+
+
+def wait_s(perf: PerfModel, engine: EngineView, rate: StepRate | None = None) -> float:
+    """Seconds until ``engine`` has prefilled the work queued ahead of a new request."""
+    rate = rate or step_rate(perf, engine)
+    return queued_tokens(engine) / rate.tokens_per_s
+
+
+def ttft_s(
+    perf: PerfModel, engine: EngineView, prompt_tokens: int, cached_tokens: int, extra: int = 0
+) -> float:
+    """Predicted TTFT on ``engine`` of a prompt with ``cached_tokens`` already there, behind
+    ``extra`` more queued prefill tokens than the view shows."""
+    rate = step_rate(perf, engine)
+    wait = (queued_tokens(engine) + extra) / rate.tokens_per_s
+    own = perf.prefill_time(prompt_tokens - cached_tokens, cached_tokens) * rate.slowdown
+    return wait + own
