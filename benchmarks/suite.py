@@ -266,6 +266,34 @@ def _pct(v: float | None) -> str:
     return "–" if v is None else f"{v:.0%}"
 
 
+def _summary_matrix(
+    results: Mapping[str, Any], preset: str, workloads: list[SuiteWorkload]
+) -> list[str]:
+    """Rows = workloads, columns = policies: capacity ÷ the best baseline's, at a glance."""
+    names = list(results["policies"])
+    out = [
+        "Capacity ÷ the best baseline's (baselines: "
+        + ", ".join(b for b in BASELINES if b in names)
+        + "); last columns: the best baseline and the shared-queue bound, req/s.\n",
+        "| workload | " + " | ".join(names) + " | best baseline | SQ bound |",
+        "|---|" + "---:|" * (len(names) + 2),
+    ]
+    for w in workloads:
+        r = results["runs"].get((preset, w.name))
+        if r is None:
+            continue
+        pols = r.get("policies", {})
+        base = {b: pols[b]["capacity"] for b in BASELINES if b in pols}
+        best = max(base, key=base.__getitem__) if base else ""
+        den = base.get(best)
+        cells = [_x(pols[n]["capacity"], den) if n in pols else "–" for n in names]
+        out.append(
+            f"| {w.name} | " + " | ".join(cells) + f" | {best} {den or 0:.2f} | "
+            f"{_cap(r['shared_queue'])} |"
+        )
+    return [*out, ""]
+
+
 def render(results: Mapping[str, Any], args: argparse.Namespace) -> str:
     out: list[str] = []
     workloads = [w for w in WORKLOADS if any(k[1] == w.name for k in results["runs"])]
@@ -275,6 +303,7 @@ def render(results: Mapping[str, Any], args: argparse.Namespace) -> str:
             f"\n### {preset}: {args.instances} engines × {perf.kv_capacity_tokens / 1e6:.2f} M "
             f"tokens of KV, first {args.requests} requests ({4 * args.requests} for the "
             "Preble-style generators)\n",
+            *_summary_matrix(results, preset, workloads),
             "Capacity (req/s) at which ≥ 90 % meet TTFT 5 s and TPOT 100 ms, ±2 %; ratios to "
             "least_loaded (LL), the best baseline (BB), the shared-queue bound (SQ) and the "
             "pooled bound (PB). Hit rate at the reference load (½ SQ capacity), ÷ the pooled "
@@ -352,7 +381,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--instances", type=int, default=8)
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--json", default="", help="also write the raw results here")
+    ap.add_argument("--from-json", default="", help="only render results saved by --json")
     args = ap.parse_args(argv)
+    if args.from_json:
+        raw = json.loads(Path(args.from_json).read_text())
+        raw["runs"] = {(r["preset"], r["workload"]): r for r in raw["runs"]}
+        print(render(raw, args))
+        return 0
     unknown = [w for w in args.workloads if w not in {x.name for x in WORKLOADS}]
     unknown += [p for p in args.policies if p not in policy_names()]
     if unknown:

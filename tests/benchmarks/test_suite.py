@@ -24,9 +24,11 @@ def test_tiny_suite_renders_ratios_and_notes(
     captured = capsys.readouterr()
     text = captured.out
     assert "### mistral-7b-a6000: 2 engines" in text
-    rows = [line for line in text.splitlines() if line.startswith("| ") and "least_loaded" in line]
-    ll = next(r for r in rows if "| least_loaded |" in r).split("|")
+    rows = [line.split("|") for line in text.splitlines() if line.startswith("| ")]
+    ll = next(r for r in rows if len(r) > 4 and r[2].strip() == "least_loaded")
     assert ll[4].strip() == "1.00"  # least_loaded / least_loaded
+    matrix = next(r for r in rows if r[1].strip() == "no_sharing")  # capacity / best baseline
+    assert max(float(c) for c in matrix[2:4]) == 1.0
     assert "*shared-queue bound*" in text and "*pooled*" in text
     assert "skipped mooncake" in text  # no trace folder: a note, not a crash
     assert "[3/3]" in captured.err  # progress: 1 bounds task + 2 policies
