@@ -2,22 +2,31 @@
 
 Algorithm (DualMap, arXiv 2602.06502, ICLR 2026; ``../shared/docs/algorithms.md`` §2):
 
-1. **Key.** The first ``d`` blocks of the prompt, ``d`` adaptive per prefix
-   (:class:`~gateway.policies.prefix_hotness.PrefixHotness`): hot prefixes are
-   keyed one block deeper so they spread. ``adaptive=false`` keys on a fixed
-   ``fixed_depth`` blocks.
+1. **Key.** The first ``d`` key units of the prompt, a unit being
+   ``key_tokens`` tokens (512, as the paper counts its hash key; a whole number
+   of the engine's blocks), ``d`` adaptive per prefix
+   (:class:`~gateway.policies.prefix_hotness.PrefixHotness`): hot prefixes
+   (traffic share > 2/n over the last ``window`` requests) are keyed one unit
+   deeper so they spread, and cool back under 1/n. A unit that ``shared_share``
+   (0.5) of all traffic uses — a system prompt in front of every request — is
+   never the final key, from the first request on, so shared prompts never
+   pin all traffic on two engines while the window warms up. Prompts shorter
+   than one unit key on their last full block. ``adaptive=false`` keys on a
+   fixed ``fixed_depth`` units.
 2. **Two candidates** from two consistent-hash rings with independent seeds
    (:class:`~gateway.policies.hash_ring.HashRing`, ``vnodes`` points per engine);
    when both give the same engine, the second ring's next distinct engine.
    Unhealthy engines are skipped clockwise, so a flapping engine moves only
    its own keys.
-3. **SLO-aware choice.** Each candidate's TTFT estimate is (router-queued +
-   engine-pending prefill tokens + this request's uncached tokens there) x
-   seconds per prefill token (engine model). Prefer the longer cache hit
+3. **SLO-aware choice.** Each candidate's TTFT estimate is the router-queued
+   and engine-pending prefill tokens plus this request's uncached tokens there,
+   priced by the engine model with the engine's running decodes
+   (:mod:`~gateway.policies.ttft_estimate`). Prefer the longer cache hit
    (estimated from a per-engine LRU of routed prompts, as large as the
-   engine's KV) unless its estimate breaches the request's TTFT SLO; then the
-   lower estimate. Equal hits: lower KV usage, then the seeded RNG.
-   ``slo_aware=false`` is affinity only.
+   engine's KV; corrected by KV events when the driver delivers them) unless
+   its estimate breaches the request's TTFT SLO; then the lower estimate.
+   Equal hits: lower KV usage, then the seeded RNG. ``slo_aware=false`` is
+   affinity only.
 4. **Router queues.** With ``queueing``, a request is held in its engine's
    router queue while that engine has ``dispatch_pending_tokens`` or more
    prefill tokens pending (or others already wait); the driver releases held
@@ -31,6 +40,24 @@ Algorithm (DualMap, arXiv 2602.06502, ICLR 2026; ``../shared/docs/algorithms.md`
 State is two rings, the prefix table, and per-engine prompt LRUs: small, and
 the candidates of a prompt depend only on the engine list (and on the hot
 prefixes this replica has seen), so gateway replicas agree without sharing.
+
+Deviations from the paper, each measured in ``docs/policies.md`` (all have a
+knob that restores the paper's rule):
+
+* ``fresh_headroom=0.25``: a key not seen in the window (nothing to keep
+  together yet) breaches at a quarter of the SLO, so first-seen prompts balance
+  early; a seen key keeps affinity until the SLO itself (``slo_headroom=1``).
+  The paper's rule (1.0 for both) lost 20 % of least loaded's capacity on
+  long-prompt traffic with little reuse.
+* ``overflow=true``: when every candidate's estimate breaches, the request goes
+  to the engine with the lowest estimate anywhere, and the engine holding the
+  longest part of a prompt joins its candidates when it holds more than both
+  (so an overflowed prefix is found again). Two candidates alone cannot
+  balance long, heavy-tailed prompts: power of two choices trails least loaded
+  there, and so did DualMap without this.
+* The TTFT estimate includes the decode batch's slowdown of prefill steps
+  (the paper prices tokens at the bare prefill rate, which is optimistic on
+  a busy engine).
 """
 
 from __future__ import annotations
@@ -49,8 +76,9 @@ from gateway.policies.hash_ring import HashRing
 from gateway.policies.prefix_hotness import PrefixHotness
 from gateway.policies.prefix_index import PrefixIndex
 from gateway.policies.router_queues import QueuedRequest, RouterQueues
+from gateway.policies.ttft_estimate import step_rate, ttft_s
 
-_FALLBACK_SPT = 0.1084 / 1000.0  # seconds per prefill token, Mistral-7B/A6000 (Preble's fit)
+_FALLBACK_PERF = PerfModel(name="dualmap-default", prefill_a=4.21, prefill_b=0.1084)
 _DEFAULT_LRU_BLOCKS = 31_250
 
 
@@ -58,6 +86,8 @@ _DEFAULT_LRU_BLOCKS = 31_250
 class DualMapConfig:
     vnodes: int = 100
     seeds: tuple[int, int] = (0x5EED1, 0x5EED2)
+    key_tokens: int = 512
+    shared_share: float = 0.5
     adaptive: bool = True
     fixed_depth: int = 1
     window: int = 200
@@ -65,6 +95,9 @@ class DualMapConfig:
     hot_share: float = 0.0
     cold_share: float = 0.0
     slo_aware: bool = True
+    slo_headroom: float = 1.0
+    fresh_headroom: float = 0.25
+    overflow: bool = True
     queueing: bool = True
     dispatch_pending_tokens: int = 8192
     rebalance: bool = True
@@ -74,6 +107,10 @@ class DualMapConfig:
     def __post_init__(self) -> None:
         if self.vnodes <= 0 or self.fixed_depth <= 0 or self.dispatch_pending_tokens <= 0:
             raise ValueError("vnodes, fixed_depth and dispatch_pending_tokens must be positive")
+        if self.key_tokens <= 0:
+            raise ValueError("key_tokens must be positive")
+        if not 0.0 <= self.shared_share <= 1.0:
+            raise ValueError("shared_share must be within [0, 1] (0 turns the rule off)")
         if self.hot_share < 0 or self.cold_share < 0 or self.cache_blocks < 0:
             raise ValueError("hot_share, cold_share and cache_blocks must be >= 0")
 
@@ -84,6 +121,7 @@ class DualMapPolicy(PolicyBase):
     def __init__(self, ctx: PolicyContext, config: DualMapConfig | None = None) -> None:
         cfg = self.config = config or DualMapConfig()
         self.may_hold = cfg.queueing
+        self.wants_cache_events = ctx.kv_events
         self.rings = self._new_rings()
         # Rings per engine set: a multi-model gateway shows each model's engines in turn.
         self._ring_sets: OrderedDict[tuple[EngineId, ...], tuple[HashRing, HashRing]] = (
@@ -94,10 +132,10 @@ class DualMapPolicy(PolicyBase):
             min_samples=cfg.min_samples,
             hot=cfg.hot_share or None,
             cold=cfg.cold_share or None,
+            shared=cfg.shared_share or None,
         )
         self.cache = PrefixIndex(cfg.cache_blocks or 1 << 22)
-        perf: PerfModel | None = ctx.perf
-        self.spt = perf.seconds_per_prefill_token() if perf is not None else _FALLBACK_SPT
+        self.perf: PerfModel = ctx.perf or _FALLBACK_PERF
         self._rng = ctx.rng(self.name)
         self._capacity: dict[EngineId, int] = {}
 
@@ -125,6 +163,19 @@ class DualMapPolicy(PolicyBase):
         # The prompt LRUs stay: a multi-model gateway shows each model's engines in turn;
         # an engine that really left is forgotten in on_engine_removed.
 
+    def on_cache_event(
+        self, engine: EngineId, stored: Sequence[int], removed: Sequence[int]
+    ) -> None:
+        """KV events: what the engines stored (routed by any replica) and evicted."""
+        if stored:
+            cap = self.config.cache_blocks or self._capacity.get(engine, _DEFAULT_LRU_BLOCKS)
+            self.cache.insert(engine, stored, cap)
+        if removed:
+            self.cache.remove(engine, removed)
+
+    def on_cache_reset(self, engine: EngineId) -> None:
+        self.cache.remove_engine(engine)
+
     def on_engine_removed(self, engine: EngineId) -> None:
         for ring in self.rings:
             ring.remove(engine)
@@ -132,16 +183,34 @@ class DualMapPolicy(PolicyBase):
         self.cache.remove_engine(engine)
 
     # -- decision ----------------------------------------------------------------
+    def key_units(self, req: RequestInfo) -> tuple[int, ...]:
+        """The chained hashes that end each key unit of the prompt; the last unit may be
+        partial (it ends at the prompt's last full block), as a Mooncake trace's last
+        512-token hash id covers a partial block."""
+        hashes = req.block_hashes
+        step = max(1, self.config.key_tokens // max(1, req.block_size))
+        units = hashes[step - 1 :: step]
+        if len(hashes) % step:
+            units = (*units, hashes[-1])
+        return units
+
+    def _keyed_blocks(self, req: RequestInfo, depth: int) -> int:
+        """Blocks of the prompt its key covers (its first ``depth`` key units)."""
+        step = max(1, self.config.key_tokens // max(1, req.block_size))
+        return max(1, min(depth * step, len(req.block_hashes)))
+
     def key(self, req: RequestInfo) -> tuple[int, int]:
-        """(key, depth in blocks) of a request; prompts without a full block key on their id."""
+        """(key, depth in key units) of a request; a prompt without a full block keys on
+        its id (depth 0)."""
         hashes = req.block_hashes
         if not hashes:
             return xxhash.xxh3_64_intdigest(req.id.encode()), 0
+        units = self.key_units(req)
         if self.config.adaptive:
-            depth = self.hotness.depth(hashes)
+            depth = self.hotness.depth(units)
         else:
-            depth = min(self.config.fixed_depth, len(hashes))
-        return hashes[depth - 1], depth
+            depth = min(self.config.fixed_depth, len(units))
+        return units[depth - 1], depth
 
     def candidates(self, key: int, view: ClusterView) -> list[EngineView]:
         """The two candidates of ``key`` among the view's healthy engines (one when only one is
@@ -158,37 +227,78 @@ class DualMapPolicy(PolicyBase):
             out.append(view.get(second))
         return [e for e in out if e is not None]
 
-    def ttft_estimate(self, engine: EngineView, uncached: int) -> float:
-        pending = engine.router_queued_tokens + engine.pending_prefill_tokens + uncached
-        return pending * self.spt
+    def ttft_estimate(self, engine: EngineView, prompt: int, hit: int) -> float:
+        """Queued prefill work plus this prompt's uncached part, priced by the engine model
+        with the engine's running decodes (:mod:`~gateway.policies.ttft_estimate`)."""
+        return ttft_s(self.perf, engine, prompt, hit)
+
+    def _backlog(self, engine: EngineView, queued: int) -> float:
+        """Seconds to prefill what ``engine`` has pending plus ``queued`` router-held tokens."""
+        rate = step_rate(self.perf, engine)
+        return (engine.pending_prefill_tokens + queued) / rate.tokens_per_s
 
     def decide(self, req: RequestInfo, view: ClusterView, now: float) -> Decision:
         cfg = self.config
         for e in view.engines:  # the engines' KV size bounds our per-engine prompt LRUs
             if e.kv_capacity_blocks:
                 self._capacity[e.id] = e.kv_capacity_blocks
-        key, _ = self.key(req)
+        key, depth = self.key(req)
         cands = self.candidates(key, view)
         if not cands:  # healthy engines the rings do not know yet: the least loaded of them
             cands = sorted(view.healthy(), key=lambda e: e.pending_prefill_tokens)[:1]
+        ring = list(cands)
         matched = self.cache.match(req.block_hashes)
-        hits = {
-            e.id: min(matched.get(e.id, 0) * req.block_size, req.prompt_tokens - 1) for e in cands
-        }
-        est = {e.id: self.ttft_estimate(e, req.prompt_tokens - hits[e.id]) for e in cands}
+        cap = max(0, req.prompt_tokens - 1)
+        if cfg.overflow and matched and len(cands) == 2:
+            # the engine holding this prompt's whole keyed prefix and more of it than both
+            # candidates (an earlier overflow put it there) joins them; a prefix shared by
+            # all traffic (shorter than the key) never makes an engine a holder
+            holder = view.get(max(matched, key=lambda k: matched[k]))
+            keyed = self._keyed_blocks(req, depth)
+            if (
+                holder is not None
+                and holder.healthy
+                and holder.id not in {c.id for c in cands}
+                and matched[holder.id] >= keyed
+                and matched[holder.id] > max(matched.get(c.id, 0) for c in cands)
+            ):
+                cands.append(holder)
+        hits = {e.id: min(matched.get(e.id, 0) * req.block_size, cap) for e in cands}
+        est = {e.id: self.ttft_estimate(e, req.prompt_tokens, hits[e.id]) for e in cands}
         if len(cands) == 1:
             chosen, reason = cands[0], "dualmap:single"
         else:
-            a, b = cands
+            a, b = cands[0], cands[1]
             if hits[a.id] != hits[b.id]:
                 prefer, other = (a, b) if hits[a.id] > hits[b.id] else (b, a)
             elif a.kv_usage != b.kv_usage:
                 prefer, other = (a, b) if a.kv_usage < b.kv_usage else (b, a)
             else:
                 prefer, other = (a, b) if self._rng.random() < 0.5 else (b, a)
+            if len(cands) == 3:  # the holder is preferred; the better ring candidate is other
+                prefer, other = cands[2], min((a, b), key=lambda e: est[e.id])
             chosen, reason = prefer, "dualmap:affinity"
-            if cfg.slo_aware and est[prefer.id] > req.slo.ttft_s and est[other.id] < est[prefer.id]:
+            # a key seen in the window will be reused: affinity until the SLO itself is at
+            # risk; a first-seen key has nothing to keep together: balance earlier
+            seen = self.hotness.count(key) > 0
+            limit = req.slo.ttft_s * (cfg.slo_headroom if seen else cfg.fresh_headroom)
+            if cfg.slo_aware and est[prefer.id] > limit and est[other.id] < est[prefer.id]:
                 chosen, reason = other, "dualmap:slo"
+            if cfg.slo_aware and cfg.overflow and est[chosen.id] > limit:
+                # every candidate breaches: the engine with the lowest estimate anywhere
+                spill_est, spill, spill_hit = min(
+                    (
+                        (self.ttft_estimate(e, req.prompt_tokens, h), e, h)
+                        for e in view.healthy()
+                        if e.id not in hits
+                        for h in (min(matched.get(e.id, 0) * req.block_size, cap),)
+                    ),
+                    key=lambda t: t[0],
+                    default=(float("inf"), None, 0),
+                )
+                if spill is not None and spill_est < est[chosen.id]:
+                    chosen, reason = spill, "dualmap:overflow"
+                    hits[spill.id] = spill_hit
         hold = cfg.queueing and (
             chosen.router_queued > 0 or chosen.pending_prefill_tokens >= cfg.dispatch_pending_tokens
         )
@@ -197,12 +307,14 @@ class DualMapPolicy(PolicyBase):
             hold=hold,
             expected_hit_tokens=hits[chosen.id],
             reason=reason + (":held" if hold else ""),
-            candidates=tuple(e.id for e in cands),
+            candidates=tuple(e.id for e in ring),
         )
 
     def _there(self, engine: EngineView, queued: int, extra: int, prompt: int, hit: int) -> float:
         """TTFT estimate of a request on ``engine`` behind ``queued`` + ``extra`` tokens."""
-        return (engine.pending_prefill_tokens + queued + extra + prompt - hit) * self.spt
+        rate = step_rate(self.perf, engine)
+        own = self.perf.prefill_time(prompt - hit, hit) * rate.slowdown
+        return (engine.pending_prefill_tokens + queued + extra) / rate.tokens_per_s + own
 
     # -- hooks -------------------------------------------------------------------
     def on_routed(self, req: RequestInfo, decision: Decision, now: float) -> None:
@@ -210,7 +322,7 @@ class DualMapPolicy(PolicyBase):
         self.cache.insert(decision.engine, req.block_hashes, cap)
         _, depth = self.key(req)
         if self.config.adaptive and depth:
-            self.hotness.observe(req.block_hashes, depth)
+            self.hotness.observe(self.key_units(req), depth)
 
     def can_dispatch(self, engine: EngineView, pending_tokens: int, item: QueuedRequest) -> bool:
         return pending_tokens < self.config.dispatch_pending_tokens
@@ -229,7 +341,7 @@ class DualMapPolicy(PolicyBase):
             if not items:
                 continue
             queued = queues.tokens(source_id)
-            backlog = (source.pending_prefill_tokens + queued) * self.spt
+            backlog = self._backlog(source, queued)
             oldest = queues.oldest(source_id)
             slo = min(q.req.slo.ttft_s for q in items)
             if backlog <= slo and (oldest is None or now - oldest < cfg.overload_wait_s):
@@ -256,9 +368,9 @@ class DualMapPolicy(PolicyBase):
             options.sort(key=lambda o: -o[0])
             for _, item, target, hit in options:
                 stale = now - item.enqueued >= cfg.overload_wait_s
-                if (source.pending_prefill_tokens + queued) * self.spt <= slo and not stale:
+                if self._backlog(source, queued) <= slo and not stale:
                     continue  # the source meets the SLO; only requests waiting too long still go
-                here = (source.pending_prefill_tokens + queued) * self.spt
+                here = self._backlog(source, queued)
                 there = self._there(
                     target,
                     target.router_queued_tokens,

@@ -8,6 +8,12 @@ are keyed one block deeper, so a hot prefix spreads over more engines. When
 an expanded prefix's share falls under ``cold`` (1/n) the expansion is
 dropped and its requests key on it again. Memory: the window, the counts of
 keys in it, and at most ``max_expanded`` expansions.
+
+A key that more than ``shared`` of all traffic uses (a system prompt in front of
+every request) is never the final key, from the first request on: it is
+extended without waiting for ``min_samples`` (the share counts the request
+being keyed, so the very first request extends it too), and then kept like any
+other expansion until it cools.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ class PrefixHotness:
         cold: float | None = None,
         max_expanded: int = 4096,
         max_depth: int = 256,
+        shared: float | None = None,
     ) -> None:
         if window <= 0 or min_samples <= 0 or max_expanded <= 0 or max_depth <= 0:
             raise ValueError("window, min_samples, max_expanded and max_depth must be positive")
@@ -37,6 +44,7 @@ class PrefixHotness:
         self.cold_fixed = cold
         self.max_expanded = max_expanded
         self.max_depth = max_depth
+        self.shared = shared
         self.instances = 1
         self._window: deque[tuple[int, ...]] = deque()
         self._counts: dict[int, int] = {}
@@ -57,6 +65,10 @@ class PrefixHotness:
     def expanded(self) -> int:
         return len(self._expanded)
 
+    def count(self, prefix: int) -> int:
+        """Requests of the window keyed on or below ``prefix``."""
+        return self._counts.get(prefix, 0)
+
     def share(self, prefix: int) -> float:
         """Fraction of the window's requests keyed on or below ``prefix``."""
         return self._counts.get(prefix, 0) / len(self._window) if self._window else 0.0
@@ -67,9 +79,15 @@ class PrefixHotness:
             return 0
         d = 1
         limit = min(len(hashes), self.max_depth)
-        while d < limit and hashes[d - 1] in self._expanded:
+        while d < limit and (hashes[d - 1] in self._expanded or self._shared_now(hashes[d - 1])):
             d += 1
         return d
+
+    def _shared_now(self, prefix: int) -> bool:
+        """True when ``prefix`` is used by more than ``shared`` of the window and this request."""
+        if self.shared is None:
+            return False
+        return (self._counts.get(prefix, 0) + 1) / (len(self._window) + 1) > self.shared
 
     def observe(self, hashes: Sequence[int], depth: int) -> None:
         """Count a routed request keyed at ``depth``; expand or collapse prefixes."""
@@ -87,6 +105,14 @@ class PrefixHotness:
                     counts[h] = n
                 else:
                     del counts[h]
+        if self.shared is not None:  # shared keys we walked through stay split (hysteresis)
+            for h in counted[:-1]:
+                if (
+                    h not in self._expanded
+                    and self.share(h) > self.shared
+                    and len(self._expanded) < self.max_expanded
+                ):
+                    self._expanded[h] = 0
         if len(window) < self.min_samples:
             return
         key = counted[-1]

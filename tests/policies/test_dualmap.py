@@ -39,9 +39,15 @@ E4 = ("e0", "e1", "e2", "e3")
 E8 = tuple(f"e{i}" for i in range(8))
 
 
+LEGACY = {"key_tokens": BS, "shared_share": 0, "overflow": False, "fresh_headroom": 1.0}
+"""The paper's mechanisms alone, keyed in single blocks: what most tests below pin down.
+The defaults (512-token keys, shared keys never final, overflow, fresh-key headroom) are
+tested in tests/policies/test_dualmap_keys.py."""
+
+
 def make(seed: int = 0, **options: object) -> tuple[DualMapPolicy, Dispatcher]:
     ctx = PolicyContext(seed=seed, block_size=BS, perf=PERF)
-    policy = create_policy("dualmap", ctx, options or None)
+    policy = create_policy("dualmap", ctx, {**LEGACY, **options})
     assert isinstance(policy, DualMapPolicy)
     return policy, Dispatcher(policy)
 
@@ -111,7 +117,7 @@ def oracle(
 def test_registered_with_exact_spt() -> None:
     assert "dualmap" in policy_names()
     policy, _ = make()
-    assert policy.spt == 1 / TPS
+    assert policy.perf.seconds_per_prefill_token() == 1 / TPS
     assert policy.may_hold
     assert not make(queueing=False)[0].may_hold
 
