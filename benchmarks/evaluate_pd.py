@@ -4,6 +4,8 @@ docs/disaggregation.md).
     python benchmarks/evaluate_pd.py pd            # goodput per workload, both presets, and
                                                    # the smallest pool reaching round robin's
     python benchmarks/evaluate_pd.py calibration   # cost model priced with the wrong GPU
+    python benchmarks/evaluate_pd.py why --presets mistral-7b-a6000 --workload mooncake
+                                                   # where prefill work went, why requests missed
     python benchmarks/evaluate_pd.py example       # the P/D rule's worked example
 
 Workloads: ``gen:chat`` and ``gen:agent`` (production-shaped sessions), the Azure 2023
@@ -228,6 +230,46 @@ def cmd_calibration(args: argparse.Namespace) -> None:
         sys.stdout.flush()
 
 
+def cmd_why(args: argparse.Namespace) -> None:
+    """Where the prefill work went and why requests missed, on one workload and split."""
+    perf = load_preset(args.presets[0])
+    names = [*PAIR_BASELINES, default_policy(), "cost_model"]
+    for label, wl in workloads(perf, args.load, args.requests):
+        if not label.startswith(args.workload):
+            continue
+        print(f"\n### {label} on {args.split}+{ENGINES - args.split} × {perf.name}\n")
+        print(
+            "| policy | goodput | TTFT missed | TPOT missed (TTFT met) | remote prefill tokens "
+            "per prefill engine, min–max | engine hit rate | decisions |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---|")
+        for name in dict.fromkeys(names):
+            cluster = ClusterSpec(ENGINES, perf, prefill_instances=args.split)
+            sim = run_policy(name, wl, cluster)
+            tokens: Counter[str] = Counter()
+            outcome: Counter[str] = Counter()
+            for r in sim.records:
+                if r.prefill_engine:
+                    tokens[r.prefill_engine] += r.source.prompt_tokens
+                slo = r.info.slo
+                if r.ttft is None or r.ttft > slo.ttft_s:
+                    outcome["ttft"] += 1
+                elif r.tpot is not None and r.tpot > slo.tpot_s:
+                    outcome["tpot"] += 1
+            prompt = sum(r.source.prompt_tokens for r in sim.records)
+            hit = sum(r.cached_tokens for r in sim.records) / prompt
+            spread = sorted(tokens.values()) or [0]
+            mix = ", ".join(
+                f"{k} {v}" for k, v in Counter(r.pd_reason for r in sim.records).items()
+            )
+            print(
+                f"| {name} | {summarize(sim)['goodput']:.1%} | {outcome['ttft']} | "
+                f"{outcome['tpot']} | {spread[0] / 1e6:.2f}–{spread[-1] / 1e6:.2f} M | "
+                f"{hit:.1%} | {mix} |"
+            )
+            sys.stdout.flush()
+
+
 def cmd_example(args: argparse.Namespace) -> None:
     from pd_example import print_example  # benchmarks/pd_example.py, beside this file
 
@@ -236,11 +278,13 @@ def cmd_example(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("table", choices=["pd", "calibration", "example"])
+    ap.add_argument("table", choices=["pd", "calibration", "why", "example"])
     ap.add_argument("--presets", default=",".join(PRESETS), help="comma-separated presets")
     ap.add_argument("--load", type=float, default=0.6, help="offered prompt tokens / capacity")
     ap.add_argument("--requests", type=int, default=1500, help="requests per workload")
     ap.add_argument("--default", help="evaluate this policy as the default (a candidate)")
+    ap.add_argument("--workload", default="mooncake", help="why: the workload (label prefix)")
+    ap.add_argument("--split", type=int, default=4, help="why: prefill engines of the 8")
     args = ap.parse_args(argv)
     if args.default:
         _DEFAULT[:] = [args.default]
@@ -248,6 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands: dict[str, Callable[[argparse.Namespace], None]] = {
         "pd": cmd_pd,
         "calibration": cmd_calibration,
+        "why": cmd_why,
         "example": cmd_example,
     }
     t0 = time.perf_counter()
