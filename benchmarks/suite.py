@@ -107,6 +107,7 @@ class Task:
     requests: int
     instances: int
     sq_capacity: float = 0.0
+    ttft_only: bool = False
 
 
 def _summary(run: SimRun) -> dict[str, Any]:
@@ -115,7 +116,10 @@ def _summary(run: SimRun) -> dict[str, Any]:
 
 
 def _curve(
-    runner: Callable[[Workload, MissBudget | None], SimRun], wl: Workload, sq_cap: float
+    runner: Callable[[Workload, MissBudget | None], SimRun],
+    wl: Workload,
+    sq_cap: float,
+    ttft_only: bool = False,
 ) -> dict[str, Any]:
     """Attainment at the curve's rates (None: below CURVE_FLOOR, stopped early), and the
     summary at the reference load."""
@@ -127,21 +131,24 @@ def _curve(
         if frac == REFERENCE:
             run = runner(scaled, None)
             out["reference"] = _summary(run)
-            att: float | None = slo_attainment(run)
+            att: float | None = slo_attainment(run, ttft_only=ttft_only)
         else:
             try:
-                att = slo_attainment(runner(scaled, MissBudget(len(wl), CURVE_FLOOR)))
+                budget = MissBudget(len(wl), CURVE_FLOOR, ttft_only=ttft_only)
+                att = slo_attainment(runner(scaled, budget), ttft_only=ttft_only)
             except ProbeFailed:
                 att = None
         out["curve"].append([sq_cap * frac, att])
     return out
 
 
-def _saturated(runner: Callable[[Workload], SimRun], wl: Workload, capacity: float) -> bool:
+def _saturated(
+    runner: Callable[[Workload], SimRun], wl: Workload, capacity: float, ttft_only: bool
+) -> bool:
     """Whether the workload still met its SLO at the search's cap (capacity unknown above)."""
     if capacity < wl.rate * CAP / 2:
         return False
-    return slo_attainment(runner(wl.scaled(CAP))) >= 0.9
+    return slo_attainment(runner(wl.scaled(CAP)), ttft_only=ttft_only) >= 0.9
 
 
 def run_task(task: Task) -> dict[str, Any]:
@@ -155,19 +162,20 @@ def run_task(task: Task) -> dict[str, Any]:
             wl, lambda r: probe.admissible(r.prompt_tokens, r.output_tokens) is None
         )
         out["requests"], out["rate"] = len(wl), wl.rate
-        sq, sq_runs = shared_queue_capacity(wl, cluster)
-        pooled, pooled_runs = bound_capacity(wl, cluster)
+        only = task.ttft_only
+        sq, sq_runs = shared_queue_capacity(wl, cluster, ttft_only=only)
+        pooled, pooled_runs = bound_capacity(wl, cluster, ttft_only=only)
         out["shared_queue"] = {
             "capacity": sq,
             "probes": sq_runs,
-            "saturated": _saturated(lambda w: run_shared_queue(w, cluster), wl, sq),
-            **_curve(lambda w, b: run_shared_queue(w, cluster, budget=b), wl, sq),
+            "saturated": _saturated(lambda w: run_shared_queue(w, cluster), wl, sq, only),
+            **_curve(lambda w, b: run_shared_queue(w, cluster, budget=b), wl, sq, only),
         }
         out["pooled"] = {
             "capacity": pooled,
             "probes": pooled_runs,
-            "saturated": _saturated(lambda w: run_bound(w, cluster), wl, pooled),
-            **_curve(lambda w, b: run_bound(w, cluster, budget=b), wl, sq),
+            "saturated": _saturated(lambda w: run_bound(w, cluster), wl, pooled, only),
+            **_curve(lambda w, b: run_bound(w, cluster, budget=b), wl, sq, only),
         }
     else:
         start = wl.scaled(0.7 * task.sq_capacity / wl.rate) if task.sq_capacity > 0 else wl
@@ -179,10 +187,13 @@ def run_task(task: Task) -> dict[str, Any]:
             bracket=POLICY_BRACKET,
             cap=CAP * rel,
             floor=rel / CAP,
+            ttft_only=task.ttft_only,
         )
         out["policy"] = task.policy
         out["capacity"], out["probes"] = cap, runs
-        out["saturated"] = _saturated(lambda w: run_policy(task.policy, w, cluster), wl, cap)
+        out["saturated"] = _saturated(
+            lambda w: run_policy(task.policy, w, cluster), wl, cap, task.ttft_only
+        )
         out.update(
             _curve(lambda w, b: run_policy(task.policy, w, cluster, budget=b), wl, task.sq_capacity)
         )
@@ -229,7 +240,15 @@ def run_suite(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str,
         )
     by_workload = {w.name: w for w in workloads}
     tasks = [
-        Task(p, by_workload[w], pol, args.requests, args.instances, r["shared_queue"]["capacity"])
+        Task(
+            p,
+            by_workload[w],
+            pol,
+            args.requests,
+            args.instances,
+            r["shared_queue"]["capacity"],
+            args.ttft_only,
+        )
         for (p, w), r in results["runs"].items()
         for pol in policies
     ]
@@ -252,8 +271,24 @@ def _cap(entry: Mapping[str, Any]) -> str:
     return f"{'≥ ' if entry.get('saturated') else ''}{entry['capacity']:.2f}"
 
 
+def _criterion(args: argparse.Namespace) -> str:
+    return "TTFT 5 s" if getattr(args, "ttft_only", False) else "TTFT 5 s and TPOT 100 ms"
+
+
 def _att(a: float | None) -> str:
     return f"<{CURVE_FLOOR:.0%}" if a is None else f"{a:.0%}"
+
+
+def _r(num: Mapping[str, Any] | None, den: Mapping[str, Any] | None) -> str:
+    """Capacity ratio of two entries; a saturated side (capacity only known to be >= its
+    value) makes it a lower ("≥") or upper ("≤") bound, or unknown ("sat") when both are."""
+    if num is None or den is None:
+        return "–"
+    text = _x(num["capacity"], den["capacity"])
+    hi, lo = bool(num.get("saturated")), bool(den.get("saturated"))
+    if hi and lo:
+        return "sat"
+    return f"≥ {text}" if hi else f"≤ {text}" if lo else text
 
 
 def _x(num: float | None, den: float | None) -> str:
@@ -283,12 +318,12 @@ def _summary_matrix(
         if r is None:
             continue
         pols = r.get("policies", {})
-        base = {b: pols[b]["capacity"] for b in BASELINES if b in pols}
-        best = max(base, key=base.__getitem__) if base else ""
-        den = base.get(best)
-        cells = [_x(pols[n]["capacity"], den) if n in pols else "–" for n in names]
+        base = [b for b in BASELINES if b in pols]
+        best = max(base, key=lambda b: pols[b]["capacity"]) if base else ""
+        den = pols.get(best)
+        cells = [_r(pols[n], den) if n in pols else "–" for n in names]
         out.append(
-            f"| {w.name} | " + " | ".join(cells) + f" | {best} {den or 0:.2f} | "
+            f"| {w.name} | " + " | ".join(cells) + f" | {best} {_cap(den) if den else '–'} | "
             f"{_cap(r['shared_queue'])} |"
         )
     return [*out, ""]
@@ -304,7 +339,7 @@ def render(results: Mapping[str, Any], args: argparse.Namespace) -> str:
             f"tokens of KV, first {args.requests} requests ({4 * args.requests} for the "
             "Preble-style generators)\n",
             *_summary_matrix(results, preset, workloads),
-            "Capacity (req/s) at which ≥ 90 % meet TTFT 5 s and TPOT 100 ms, ±2 %; ratios to "
+            f"Capacity (req/s) at which ≥ 90 % meet {_criterion(args)}, ±2 %; ratios to "
             "least_loaded (LL), the best baseline (BB), the shared-queue bound (SQ) and the "
             "pooled bound (PB). Hit rate at the reference load (½ SQ capacity), ÷ the pooled "
             "bound's there.\n",
@@ -319,10 +354,10 @@ def render(results: Mapping[str, Any], args: argparse.Namespace) -> str:
             if r is None:
                 continue
             pols: dict[str, Any] = r.get("policies", {})
-            sq, pb = r["shared_queue"]["capacity"], r["pooled"]["capacity"]
-            ll = pols.get("least_loaded", {}).get("capacity")
-            base = [pols[b]["capacity"] for b in BASELINES if b in pols]
-            best = max(base) if base else None
+            sq, pb = r["shared_queue"], r["pooled"]
+            ll = pols.get("least_loaded")
+            base = [pols[b] for b in BASELINES if b in pols]
+            best = max(base, key=lambda e: e["capacity"]) if base else None
             pb_ref = (r["pooled"].get("reference") or {}).get("cache_hit_rate")
             spent = r["seconds"] + sum(p["seconds"] for p in pols.values())
             label = f"**{w.name}** (reusable {r['reusable']:.0%}"
@@ -330,10 +365,8 @@ def render(results: Mapping[str, Any], args: argparse.Namespace) -> str:
             for name, p in pols.items():
                 hit = (p.get("reference") or {}).get("cache_hit_rate")
                 out.append(
-                    f"| {label} | {name} | {_cap(p)} | "
-                    f"{_x(p['capacity'], ll)} | "
-                    f"{_x(p['capacity'], best)} | {_x(p['capacity'], sq)} | "
-                    f"{_x(p['capacity'], pb)} | {_pct(hit)} ({_x(hit, pb_ref)}) | "
+                    f"| {label} | {name} | {_cap(p)} | {_r(p, ll)} | {_r(p, best)} | "
+                    f"{_r(p, sq)} | {_r(p, pb)} | {_pct(hit)} ({_x(hit, pb_ref)}) | "
                     f"{p['seconds']:.0f} |"
                 )
                 curves.append(
@@ -346,10 +379,8 @@ def render(results: Mapping[str, Any], args: argparse.Namespace) -> str:
                 b = r[key]
                 hit = (b.get("reference") or {}).get("cache_hit_rate")
                 out.append(
-                    f"| {label} | {title} | {_cap(b)} | "
-                    f"{_x(b['capacity'], ll)} | "
-                    f"{_x(b['capacity'], best)} | {_x(b['capacity'], sq)} | "
-                    f"{_x(b['capacity'], pb)} | {_pct(hit)} | {r['seconds']:.0f} |"
+                    f"| {label} | {title} | {_cap(b)} | {_r(b, ll)} | {_r(b, best)} | "
+                    f"{_r(b, sq)} | {_r(b, pb)} | {_pct(hit)} | {r['seconds']:.0f} |"
                 )
                 curves.append(
                     f"| {w.name} | {title} | "
@@ -382,6 +413,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--json", default="", help="also write the raw results here")
     ap.add_argument("--from-json", default="", help="only render results saved by --json")
+    ap.add_argument(
+        "--ttft-only", action="store_true", help="capacity on the TTFT target alone (DualMap's)"
+    )
     args = ap.parse_args(argv)
     if args.from_json:
         raw = json.loads(Path(args.from_json).read_text())

@@ -169,6 +169,7 @@ def bound_capacity(
     first: SimRun | None = None,
     bracket: float = 2.0,
     early_stop: bool = True,
+    ttft_only: bool = False,
 ) -> tuple[float, int]:
     """The pooled bound's capacity, searched exactly as ``runner.capacity_search`` does
     (the same bracket, cap, floor and tolerance), so that policy / bound ratios compare
@@ -177,12 +178,13 @@ def bound_capacity(
 
     def attainment(factor: float) -> float:
         if factor == 1.0 and first is not None:
-            return slo_attainment(first)
+            return slo_attainment(first, ttft_only=ttft_only)
         scaled = workload.scaled(factor)
         return probe_attainment(
             lambda b: run_bound(scaled, cluster, seed=seed, budget=b),
             len(workload),
             target,
+            ttft_only=ttft_only,
             early_stop=early_stop,
         )
 

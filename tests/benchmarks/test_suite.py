@@ -17,7 +17,7 @@ def test_tiny_suite_renders_ratios_and_notes(
 ) -> None:
     monkeypatch.setenv("KVGATE_DATA", str(tmp_path / "no-data"))
     out = tmp_path / "suite.json"
-    args = ["--presets", "mistral-7b-a6000", "--workloads", "no_sharing,mooncake"]
+    args = ["--presets", "mistral-7b-a6000", "--workloads", "chat,mooncake"]
     args += ["--policies", "round_robin,least_loaded", "--requests", "20", "--instances", "2"]
     args += ["--jobs", "2", "--json", str(out)]
     assert suite.main(args) == 0
@@ -27,17 +27,27 @@ def test_tiny_suite_renders_ratios_and_notes(
     rows = [line.split("|") for line in text.splitlines() if line.startswith("| ")]
     ll = next(r for r in rows if len(r) > 4 and r[2].strip() == "least_loaded")
     assert ll[4].strip() == "1.00"  # least_loaded / least_loaded
-    matrix = next(r for r in rows if r[1].strip() == "no_sharing")  # capacity / best baseline
+    matrix = next(r for r in rows if r[1].strip() == "chat")  # capacity / best baseline
     assert max(float(c) for c in matrix[2:4]) == 1.0
     assert "*shared-queue bound*" in text and "*pooled*" in text
     assert "skipped mooncake" in text  # no trace folder: a note, not a crash
     assert "[3/3]" in captured.err  # progress: 1 bounds task + 2 policies
     raw = json.loads(out.read_text())
     run = raw["runs"][0]
-    assert run["workload"] == "no_sharing" and run["requests"] == 80  # 4 x --requests
+    assert run["workload"] == "chat" and run["requests"] == 20
     caps = {p: r["capacity"] for p, r in run["policies"].items()}
     assert set(caps) == {"round_robin", "least_loaded"}
-    assert all(0 < c <= run["pooled"]["capacity"] * 1.05 for c in caps.values())
+    assert caps["least_loaded"] > 0
+    assert all(c <= run["pooled"]["capacity"] * 1.05 for c in caps.values())
+
+
+def test_saturated_capacities_are_bounds_not_numbers() -> None:
+    sat, fin = {"capacity": 2.0, "saturated": True}, {"capacity": 1.0}
+    assert suite._r(sat, fin) == "≥ 2.00"
+    assert suite._r(fin, sat) == "≤ 0.50"
+    assert suite._r(sat, sat) == "sat"
+    assert suite._cap(sat) == "≥ 2.00" and suite._cap(fin) == "1.00"
+    assert [w.size for w in suite.WORKLOADS if w.name == "no_sharing"] == [4]
 
 
 def test_unknown_names_are_refused() -> None:
