@@ -35,7 +35,7 @@ class Sample:
 
 @dataclass(frozen=True, slots=True)
 class Legs:
-    """Where one sample ran: the prefill engine (``next((u for u in ran if u in prefills), None)``: local), decode engine, reason."""
+    """Where one sample ran: the prefill engine (``None``: local), decode engine, reason."""
 
     label: str
     prefill: str | None
@@ -103,7 +103,7 @@ def run_samples(
             out.append(
                 Legs(
                     s.label,
-                    None,
+                    next((u for u in ran if u in prefills), None),
                     next((u for u in ran if u in decodes), None),
                     why[0] if why else "?",
                 )
