@@ -3,7 +3,8 @@
 Each request is a ``/v1/completions`` stream sent at its arrival time (open loop), with
 ``max_tokens`` and vLLM's ``ignore_eos`` so the output length is exact. TTFT is the time to the
 first chunk carrying text; a request counts as an error when the call raises, the stream ends
-early, or it returns fewer tokens than asked.
+early, or it returns fewer tokens than asked. ``engine`` is kvgate's ``x-kvgate-engine`` header
+(which engine served it), absent behind other routers.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ async def _one(
         await asyncio.sleep(delay)
     t0 = time.perf_counter()
     try:
-        stream = await client.completions.create(
+        raw = await client.completions.with_raw_response.create(
             model=model,
             prompt=req.prompt,
             max_tokens=req.output_tokens,
@@ -36,7 +37,8 @@ async def _one(
             stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
         )
-        async for chunk in stream:
+        out.engine = raw.headers.get("x-kvgate-engine")  # kvgate names the engine; others: None
+        async for chunk in raw.parse():
             if out.ttft is None and chunk.choices and chunk.choices[0].text:
                 out.ttft = time.perf_counter() - t0
             if chunk.usage is not None:

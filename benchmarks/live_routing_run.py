@@ -129,6 +129,7 @@ class Setup:
     def describe(self) -> None:
         a, s = self.args, self.summary()
         ts = a.time_scale
+        print(f"code: {s['code']}")
         print(
             f"live routing: {a.engines} emulated engines, preset {a.preset}, "
             f"time scale {ts:g} (wall s per model s); load average {_loadavg()}"
@@ -210,6 +211,8 @@ class Row:
     load1: float
     cpu_s: tuple[float, float, float]
     """CPU seconds of (this client, the router, all engines) during the run."""
+    hot_prefix: dict[str, int] = field(default_factory=dict)
+    """``shared``: requests of the hottest system prompt per engine (kvgate routers only)."""
 
     @property
     def overhead_ms(self) -> float | None:
@@ -233,6 +236,7 @@ class Row:
             f"hit {self.hit_rate:.2f}  errors {self.errors}  preempt {self.preemptions}  "
             f"overhead {ms(self.overhead_ms)} ms  {self.wall_s:.0f} s wall, load {self.load1:.1f}, "
             f"CPU s client/router/engines {'/'.join(f'{c:.0f}' for c in self.cpu_s)}"
+            + (f"  hottest prefix per engine {self.hot_prefix}" if self.hot_prefix else "")
         )
 
 
@@ -274,7 +278,22 @@ def run_one(
         time.sleep(0.3)  # aborted requests leave the engines at their next step
         delta = [x.minus(b) for x, b in zip(scrape(urls), before, strict=True)]
     cpu = (cpu1[0] - cpu0[0], cpu1[1] - cpu0[1], cpu1[2] - cpu0[2])
-    return _row(rep, router, workload, results, delta, setup.time_scale(workload), wall, load1, cpu)
+    row = _row(rep, router, workload, results, delta, setup.time_scale(workload), wall, load1, cpu)
+    if workload == "shared":
+        row.hot_prefix = hot_prefix_engines(requests, results)
+    return row
+
+
+def hot_prefix_engines(
+    requests: list[ReplayRequest], results: list[ReplayResult]
+) -> dict[str, int]:
+    """Requests of the most popular system prompt per engine (kvgate's engine header)."""
+    head = "System prompt 0."
+    out: dict[str, int] = {}
+    for req, res in zip(requests, results, strict=True):
+        if req.prompt.startswith(head) and res.engine and not res.error:
+            out[res.engine] = out.get(res.engine, 0) + 1
+    return dict(sorted(out.items()))
 
 
 def _row(

@@ -128,6 +128,8 @@ def test_a_tiny_run_measures_hits_shares_and_targets(
     assert row["shares"] == [0.5, 0.5]  # round robin, as the engines counted it
     assert 0.2 < row["hit_rate"] < 1  # repeated system prompts hit on both engines
     assert row["ttft_p50_ms"] > 0 and row["engine_ttft_mean_ms"] > 0
+    hot = row["hot_prefix"]  # the hottest prompt's requests per engine, from kvgate's header
+    assert len(hot) == 2 and 10 < sum(hot.values()) < 30
     assert "KV ok on 2 engines" in text
     assert "| round_robin |" in text
     assert "shared busiest engine" in text and "pass  round_robin" in text
