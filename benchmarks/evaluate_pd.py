@@ -144,8 +144,9 @@ def fmt(v: Any) -> str:
 def cmd_pd(args: argparse.Namespace) -> None:
     names = policies()
     default = default_policy()
+    source = "given by --default" if _DEFAULT else "the code's: gateway.config"
     print(
-        f"\nDefault policy: `{default}` (the code's: gateway.config), in pair mode with the P/D "
+        f"\nDefault policy: `{default}` ({source}), in pair mode with the P/D "
         f"rule; pair-mode baselines {', '.join(PAIR_BASELINES)}; P/D-native length_heuristic "
         f"and cost_model. {args.requests} requests per workload at load {args.load:g}; each "
         "policy on its own best prefill/decode split of the 8 engines (kvgate plan --pd's "
@@ -281,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("table", choices=["pd", "calibration", "why", "example"])
     ap.add_argument("--presets", default=",".join(PRESETS), help="comma-separated presets")
     ap.add_argument("--load", type=float, default=0.6, help="offered prompt tokens / capacity")
-    ap.add_argument("--requests", type=int, default=1500, help="requests per workload")
+    ap.add_argument("--requests", type=int, default=1000, help="requests per workload")
     ap.add_argument("--default", help="evaluate this policy as the default (a candidate)")
     ap.add_argument("--workload", default="mooncake", help="why: the workload (label prefix)")
     ap.add_argument("--split", type=int, default=4, help="why: prefill engines of the 8")
