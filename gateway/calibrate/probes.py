@@ -37,7 +37,7 @@ from typing import Literal
 
 from gateway.calibrate.client import EngineClient, EngineFacts, StreamResult
 from gateway.calibrate.fit import DecodeSample, PrefillSample
-from gateway.calibrate.frontend import WAKE_GAPS_S, FrontendSample, WakeSample
+from gateway.calibrate.frontend import WAKE_GAPS_S, FrontendSample, LatencySums, WakeSample
 from gateway.core.errors import ConfigError
 
 Say = Callable[[str], None]
@@ -72,6 +72,8 @@ class ProbePlan:
     decode_prompts: tuple[tuple[int, tuple[int, ...]], ...]
     """(prompt tokens per stream, concurrency levels) pairs."""
     decode_tokens: int = 16
+    room: int | None = None
+    """Longest prompt probed (max_model_len less room for the answer); None: no limit."""
     repeats: int = 3
     floor_samples: int = 10
     warmup: int = 3
@@ -86,12 +88,19 @@ class ProbePlan:
             return tuple(sorted({s for s in sizes if 8 <= s <= room}))
 
         extends = fit([m // 16, m // 4, int(0.9 * m)])
-        prefixes = fit([p for p in (m // 2, 2 * m) if p + max(extends, default=0) <= room])
+        # cached contexts that leave room for at least the smallest extension (a short
+        # max_model_len, 2048 say, still gets two, so c and d are measured, not assumed)
+        shortest = min(extends, default=0)
+        prefixes = [p for p in (m // 2, 2 * m) if p + shortest <= room]
+        if len(prefixes) < 2:
+            prefixes += [p for p in (room // 4, room // 2) if p + shortest <= room]
+        prefixes = list(fit(prefixes))
         long_prompt = min(m, room // 2)
         return cls(
             max_batched_tokens=m,
             cold=fit([8, m // 64, m // 16, m // 4, m // 2, int(0.9 * m)]),
-            prefixes=prefixes,
+            prefixes=tuple(prefixes),
+            room=room,
             extends=extends,
             decode_prompts=((32, (1, 2, 4, 8, 16)), (long_prompt, (1, 4))),
             repeats=repeats,
@@ -100,7 +109,12 @@ class ProbePlan:
     def round(self) -> list[Probe]:
         """The probes of one round, in the order they run."""
         out = [Probe("cold", n) for n in self.cold]
-        out += [Probe("cached", e, prefix=p) for p in self.prefixes for e in self.extends]
+        out += [
+            Probe("cached", e, prefix=p)
+            for p in self.prefixes
+            for e in self.extends
+            if self.room is None or p + e <= self.room
+        ]
         for prompt, levels in self.decode_prompts:
             out += [Probe("decode", prompt, streams=k) for k in levels]
         return out
@@ -278,11 +292,30 @@ class Runner:
             self.out.frontend.append(FrontendSample(streams, client[i], engine[i], e2e))
         return f"; engine {engine[0]:.1f} / {engine[1]:.1f} ms"
 
+    async def _engine_means(
+        self, before: LatencySums | None, requests: int
+    ) -> tuple[float, float] | None:
+        """The engine's mean (TTFT, E2E) ms of the ``requests`` just answered. Its histograms
+        are updated after the answer goes out, so wait (up to 2 s) until they count them:
+        an early read would pair this probe with the previous one's times."""
+        if before is None:
+            return None
+        deadline = time.perf_counter() + 2.0
+        while True:
+            after = await self.client.latency_sums()
+            if after is None:
+                return None
+            done = min(after.ttft_count - before.ttft_count, after.e2e_count - before.e2e_count)
+            if done >= requests:
+                return after.since(before) if done == requests else None
+            if time.perf_counter() > deadline:
+                return None
+            await asyncio.sleep(0.02)
+
     async def _prefill_point(self, key: Probe, prompt: str, prefix_tokens: int) -> str:
         before = await self.client.latency_sums()
         res = await self.client.complete(prompt, 1)
-        after = await self.client.latency_sums()
-        engine = after.since(before) if before is not None and after is not None else None
+        engine = await self._engine_means(before, 1)
         total = await self._prompt_tokens(res, prompt)
         if res.cached_tokens is not None:
             ctx = res.cached_tokens
@@ -328,8 +361,7 @@ class Runner:
         except* ConfigError as errors:  # report the first failure, not an exception group
             raise errors.exceptions[0] from None
         results = [t.result() for t in tasks]
-        after = await self.client.latency_sums()
-        engine = after.since(before) if before is not None and after is not None else None
+        engine = await self._engine_means(before, k)
         client = (
             1000.0 * statistics.mean(r.ttft for r in results),
             1000.0 * statistics.mean(r.times[-1] - r.sent for r in results),

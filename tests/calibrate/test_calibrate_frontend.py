@@ -70,7 +70,7 @@ def test_calibration_finds_the_emulated_frontend_and_wake(tmp_path: Path) -> Non
     # the emulator's own HTTP and handler time sits on top of the modelled terms: 1-3 ms
     # on a quiet machine, up to ~12 ms (and ~3 ms per stream) at load average 10
     assert 60.0 <= fitted.frontend_ms <= 75.0
-    assert 6.0 <= fitted.frontend_per_stream_ms <= 10.0
+    assert 5.0 <= fitted.frontend_per_stream_ms <= 10.0  # 5.5-5.7 quiet, up to 8.7 loaded
     assert fitted.idle_wake_ms == pytest.approx(40.0, abs=12.0)
     assert 0.3 <= fitted.idle_after_s <= 0.6  # between the probed 0.3 s and 0.6 s gaps
     # prefill was fitted on the engine's own TTFT: the frontend is not in `a` twice

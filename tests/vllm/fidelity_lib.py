@@ -10,10 +10,12 @@ prediction error of TTFT p50/p90 and mean E2E is reported per policy.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,23 +86,40 @@ def calibrate(target: str, out: Path, *, max_seconds: int = 90) -> Path:
     return out
 
 
-def schedule(n: int, rate: float, seed: int, tag: str) -> list[ReplayRequest]:
-    """Shared system prompts (4 groups) + a unique question; Poisson arrivals."""
+@dataclass(frozen=True)
+class Shape:
+    """A workload's shape: words of the 4 shared system prompts (the g-th has ``system[0] +
+    g * system[1]``), of each request's unique part, and output tokens (ranges)."""
+
+    system: tuple[int, int] = (150, 60)
+    unique: tuple[int, int] = (10, 40)
+    output: tuple[int, int] = (8, 32)
+
+
+CHAT = Shape()
+"""Short shared-prefix chat: ~200-400 token prompts, mostly cached."""
+PREFILL = Shape(system=(250, 80), unique=(700, 1300), output=(4, 16))
+"""Prefill-dominated: 1-2k token prompts, two thirds of them unique to the request."""
+
+
+def schedule(n: int, rate: float, seed: int, tag: str, shape: Shape = CHAT) -> list[ReplayRequest]:
+    """Shared system prompts (4 groups) + a unique part; Poisson arrivals."""
     rng = random.Random(seed)
+    base, step = shape.system
     systems = [
-        f"{tag} group {g}: " + " ".join(rng.choice(WORDS) for _ in range(150 + 60 * g))
+        f"{tag} group {g}: " + " ".join(rng.choice(WORDS) for _ in range(base + step * g))
         for g in range(4)
     ]
     t = 0.0
     out = []
     for _ in range(n):
         t += rng.expovariate(rate)
-        question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 40)))
+        question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*shape.unique)))
         out.append(
             ReplayRequest(
                 arrival=t,
                 prompt=rng.choice(systems) + " Q: " + question,
-                output_tokens=rng.randint(8, 32),
+                output_tokens=rng.randint(*shape.output),
             )
         )
     return out
@@ -123,6 +142,43 @@ def sim_workload(engine: str, model: str, requests: list[ReplayRequest], block: 
                 )
             )
     return Workload(name="fidelity", requests=tuple(reqs), block_size=block)
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """CPU seconds: busy time of some cores, and the time the engines' processes used."""
+
+    cores_busy: float
+    engines: float
+    at: float
+
+
+def cpu_snapshot(session_ids: list[int], cores: set[int]) -> CpuSnapshot:
+    """Busy seconds of ``cores`` (``/proc/stat``) and CPU seconds of the processes of these
+    sessions (an engine's API server, EngineCore and worker: ``/proc/*/stat``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    busy = 0
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *values = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+            ticks = [int(v) for v in values]
+            busy += sum(ticks) - ticks[3] - ticks[4]  # less idle and iowait
+    used = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) in session_ids:  # the session id
+                used += int(fields[11]) + int(fields[12])  # utime + stime
+        except (OSError, ValueError, IndexError):
+            continue
+    return CpuSnapshot(busy / tick, used / tick, time.monotonic())
+
+
+def others_share(before: CpuSnapshot, after: CpuSnapshot, cores: int) -> float:
+    """The share of the engines' cores that other processes used between two snapshots."""
+    wall = (after.at - before.at) * cores
+    other = (after.cores_busy - before.cores_busy) - (after.engines - before.engines)
+    return max(0.0, other / wall) if wall > 0 else 0.0
 
 
 ENGINE_SERIES = {
@@ -160,6 +216,7 @@ class Row:
     policy: str
     real: dict[str, float]
     sim: dict[str, float]
+    rate: float = 0.0
 
     def error(self, key: str) -> float:
         return abs(self.sim[key] - self.real[key]) / self.real[key]
@@ -184,10 +241,18 @@ def measure(
     n: int = 40,
     rate: float = 4.0,
     seed: int = 0,
+    shape: Shape = CHAT,
+    sessions: list[int] | None = None,
 ) -> Row:
-    requests = schedule(n, rate, seed, tag=f"{policy}-{seed}")
+    """One replay and its simulation; ``sessions``: the engines' process sessions (the share
+    of their cores that other processes took meanwhile is reported)."""
+    sessions = sessions or []
+    requests = schedule(n, rate, seed, tag=f"{policy}-{seed}-{rate:g}", shape=shape)
     before = engine_sums(engines)
+    cores = {i % 2 for i in range(len(engines))}
+    cpu = cpu_snapshot(sessions, cores)
     results = asyncio.run(replay(gateway_url, model, requests))
+    others = others_share(cpu, cpu_snapshot(sessions, cores), len(cores))
     after = engine_sums(engines)
     bad = [r.error for r in results if r.error]
     if bad:
@@ -196,6 +261,7 @@ def measure(
         [r.ttft for r in results if r.ttft is not None],
         [r.e2e for r in results if r.e2e is not None],
     ) | engine_means(before, after)
+    real["others_cpu_share"] = others
     perf = load_preset(str(profile))
     workload = sim_workload(engines[0], model, requests, perf.block_size)
     run = run_policy(policy, workload, ClusterSpec(len(engines), perf))
@@ -203,9 +269,17 @@ def measure(
         [x.ttft for x in run.records if x.ttft is not None],
         [x.e2e for x in run.records if x.e2e is not None],
     )
-    sim["engine_ttft_mean"] = sim["ttft_mean"]
-    sim["engine_e2e_mean"] = sim["e2e_mean"]
-    return Row(policy, real, sim)
+    # engine-side: the same engines without the frontend term (vLLM's histograms start when
+    # the API process accepted the request and end before the answer leaves it)
+    inside = perf.with_overrides(frontend_ms=0.0, frontend_per_stream_ms=0.0)
+    engine_run = run_policy(policy, workload, ClusterSpec(len(engines), inside))
+    engine_stats = stats(
+        [x.ttft for x in engine_run.records if x.ttft is not None],
+        [x.e2e for x in engine_run.records if x.e2e is not None],
+    )
+    sim["engine_ttft_mean"] = engine_stats["ttft_mean"]
+    sim["engine_e2e_mean"] = engine_stats["e2e_mean"]
+    return Row(policy, real, sim, rate)
 
 
 CLIENT_KEYS = ("ttft_p50", "ttft_p90", "e2e_mean")
@@ -215,14 +289,21 @@ ENGINE_KEYS = ("engine_ttft_mean", "engine_e2e_mean")
 def table(rows: list[Row]) -> str:
     """Client-side (through kvgate) and engine-side (vLLM's own histograms) real vs simulated."""
     lines = [
-        "| policy | TTFT p50 real / sim (error) | TTFT p90 real / sim (error) | "
-        "E2E mean real / sim (error) | engine-side TTFT mean | engine-side E2E mean |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| policy | req/s | TTFT p50 real / sim (error) | TTFT p90 real / sim (error) | "
+        "E2E mean real / sim (error) | engine-side TTFT mean | engine-side E2E mean | "
+        "other processes on the engines' cores |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         cells = [
             f"{r.real[k] * 1000:.1f} / {r.sim[k] * 1000:.1f} ms ({r.error(k):.0%})"
             for k in CLIENT_KEYS + ENGINE_KEYS
         ]
-        lines.append(f"| {r.policy} | " + " | ".join(cells) + " |")
+        others = r.real.get("others_cpu_share", 0.0)
+        lines.append(f"| {r.policy} | {r.rate:g} | " + " | ".join(cells) + f" | {others:.0%} |")
     return "\n".join(lines)
+
+
+def largest_error(rows: list[Row], keys: tuple[str, ...] = CLIENT_KEYS) -> tuple[float, str]:
+    """The largest relative error over ``rows`` and ``keys``, and where it is."""
+    return max((r.error(k), f"{r.policy} at {r.rate:g} req/s, {k}") for r in rows for k in keys)
