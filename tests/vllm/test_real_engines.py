@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
@@ -15,6 +16,7 @@ from conftest import BLOCK, MODEL, Fleet, Gateway, start_gateway
 from openai import OpenAI
 
 from gateway.core.vllm_hash import block_ids
+from tests.promtext import sample_sum
 
 pytestmark = pytest.mark.vllm
 
@@ -91,8 +93,29 @@ def test_the_scraper_reads_real_metrics_and_cache_config(gateway: Gateway) -> No
         assert m is not None and m["block_size"] == BLOCK
         assert m["num_gpu_blocks"] and m["num_gpu_blocks"] > 0
         assert e["health"] == "healthy" and e["models"] == [MODEL]
-    text = httpx.get(gateway.url + "/metrics").text
-    assert "kvgate_engine_kv_cache_usage_ratio" in text
+    # While a long request runs on an engine, the gateway's scraped numbers show it (values,
+    # not family names: prometheus_client prints every registered family).
+    body = {
+        "model": MODEL,
+        "prompt": SYSTEM * 2,  # ~300 tokens: with the answer, inside max_model_len 2048
+        "max_tokens": 1600,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        engine = r.headers["x-kvgate-engine"]
+        lines = r.iter_lines()  # kept: a dropped iterator closes the stream (a disconnect)
+        next(lines)
+        deadline = time.monotonic() + 3  # the request decodes for 4+ s; scrapes are 1 s apart
+        while True:
+            text = httpx.get(gateway.url + "/metrics").text
+            kv = sample_sum(text, "kvgate_engine_kv_cache_usage_ratio", engine=engine)
+            running = sample_sum(text, "kvgate_engine_running_requests", engine=engine)
+            if (kv > 0 and running == 1) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    assert kv > 0 and running == 1, (kv, running)
 
 
 def test_token_keys_equal_the_engines_kv_event_ids_bit_for_bit(fleet: Fleet) -> None:
@@ -166,34 +189,59 @@ def test_pd_through_nixl_is_proven_by_the_decode_engine(fleet: Fleet, tmp_path: 
 
 
 def held_blocks(policy: object, engines: list[str]) -> dict[str, set[int]]:
-    """The blocks a policy believes each engine holds (Preble's tree or a prefix index)."""
+    """The blocks a policy believes each engine holds (Preble's tree and announced blocks, or
+    a prefix index)."""
     held: dict[str, set[int]] = {u: set() for u in engines}
     tree = getattr(policy, "tree", None)
-    if tree is not None:
+    if tree is not None:  # Preble: its tree, and the blocks engines announced (both count)
         for node in tree.nodes():
             for url, n in node.engines.items():
                 held[url].update(node.blocks[:n])
+        for url in engines:
+            held[url].update(policy.announced.blocks(url))  # type: ignore[attr-defined]
     else:
         for url in engines:
             held[url] = set(policy.index.blocks(url))  # type: ignore[attr-defined]
     return held
 
 
+async def _drain(sock: Any, blocks: set[int]) -> int:
+    """Apply the engine's published events to ``blocks``; the number of blocks removed."""
+    removed = 0
+    while await sock.poll(10):
+        _, _, payload = await sock.recv_multipart()
+        for event in msgspec.msgpack.decode(payload)[1]:
+            kind = event.get("type")
+            if kind == "BlockStored":
+                blocks.update(event["block_hashes"])
+            elif kind == "BlockRemoved":
+                blocks.difference_update(event["block_hashes"])
+                removed += len(event["block_hashes"])
+            elif kind == "AllBlocksCleared":
+                blocks.clear()
+    return removed
+
+
 @pytest.mark.parametrize(
-    ("policy", "options"),
+    ("policy", "options", "kv_events"),
     [
-        ("preble", {}),
-        ("cache_aware", {"precise": "true"}),
-        ("weighted_scorer", {"precise": "true"}),
+        ("preble", {}, True),
+        ("cache_aware", {"precise": "true"}, True),
+        ("weighted_scorer", {"precise": "true"}, True),
+        ("cache_aware", {}, False),  # no events: the same checks must fail
     ],
 )
 def test_kv_events_make_the_prefix_state_exact(
-    fleet: Fleet, policy: str, options: dict[str, str]
+    fleet: Fleet, policy: str, options: dict[str, str], kv_events: bool
 ) -> None:
-    """In-process gateway (so the policy can be inspected) with token keys and KV events:
-    the blocks the policy attributes to each engine are exactly the prompt blocks that
-    engine reported storing, as an independent subscriber saw them; a cleared cache
-    (/reset_prefix_cache) empties the engine's entry."""
+    """In-process gateway (so the policy can be inspected) with token keys, in front of the
+    small engine (100 KV blocks): 12 requests over 6 prompts of ~29 blocks each, with
+    40-token answers (blocks holding output tokens are cached too), overflow its cache.
+    With KV events, the blocks the policy attributes to the engine are exactly the blocks
+    the engine holds, as an independent subscriber saw it store and evict them (compared
+    whole: a block the policy missed, or kept after an eviction, fails); a cleared cache
+    (/reset_prefix_cache) empties the policy's entry. Without events the policy still
+    attributes blocks after the reset, so the check fails: it can."""
     import uuid
 
     import zmq.asyncio
@@ -201,73 +249,76 @@ def test_kv_events_make_the_prefix_state_exact(
     from gateway.config import load_settings
     from gateway.proxy.app import create_app
 
-    urls = [e.url for e in fleet.unified]
+    engine = fleet.small
     settings = load_settings(
-        engines=[{"url": u} for u in urls],
+        engines=[{"url": engine.url}],
         policy={"name": policy, "options": options},
         keying="tokens",
-        kv_events=True,
+        kv_events=kv_events,
         log_requests=False,
     )
     app = create_app(settings)
     tag = uuid.uuid4().hex  # fresh prompts: nothing of them is cached yet
 
-    async def scenario() -> tuple[dict[str, set[int]], dict[str, set[int]], set[int], int]:
-        ctx = zmq.asyncio.Context()
-        socks = {}
-        for e in fleet.unified:
-            sock = ctx.socket(zmq.SUB)
-            sock.setsockopt(zmq.SUBSCRIBE, b"")
-            sock.connect(f"tcp://127.0.0.1:{e.events_port}")
-            socks[e.url] = sock
-        async with app.router.lifespan_context(app):
-            state = app.state.gateway
-            await asyncio.sleep(0.5)
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(
-                transport=transport, base_url="http://gw", timeout=120
-            ) as gw:
-                for i in range(8):
-                    body = {
-                        "model": MODEL,
-                        "max_tokens": 2,
-                        "messages": [
-                            {"role": "system", "content": f"{tag} {i % 3} " + SYSTEM},
-                            {"role": "user", "content": f"q{i}"},
-                        ],
-                    }
-                    assert (await gw.post("/v1/chat/completions", json=body)).status_code == 200
-                await asyncio.sleep(1.5)  # let the last events arrive
-            live: dict[str, set[int]] = {u: set() for u in socks}
-            for url, sock in socks.items():
-                while await sock.poll(10):
-                    _, _, payload = await sock.recv_multipart()
-                    for event in msgspec.msgpack.decode(payload)[1]:
-                        if event.get("type") == "BlockStored":
-                            live[url].update(event["block_hashes"])
-                        elif event.get("type") == "BlockRemoved":
-                            live[url].difference_update(event["block_hashes"])
-                sock.close(linger=0)
-            held = held_blocks(state.dispatcher.policy, urls)
-            known = set().union(*held.values())
-            live = {u: blocks & known for u, blocks in live.items()}
-            # Clear the busier engine's cache; vLLM publishes AllBlocksCleared at its next step.
-            target = max(urls, key=lambda u: len(held[u]))
-            async with httpx.AsyncClient(base_url=target, timeout=60) as engine:
-                assert (await engine.post("/reset_prefix_cache")).status_code == 200
-                probe = {"model": MODEL, "prompt": f"{tag} reset probe", "max_tokens": 2}
-                assert (await engine.post("/v1/completions", json=probe)).status_code == 200
-            await asyncio.sleep(1.5)
-            after_reset = held_blocks(state.dispatcher.policy, urls)[target] & known
-            batches = state.kv_events.batches
-        ctx.term()
-        return held, live, after_reset, batches
+    async def reset(client: httpx.AsyncClient) -> None:
+        assert (await client.post("/reset_prefix_cache")).status_code == 200
+        # a probe shorter than a block: the step vLLM publishes AllBlocksCleared with
+        probe = {"model": MODEL, "prompt": "reset probe", "max_tokens": 2}
+        assert (await client.post("/v1/completions", json=probe)).status_code == 200
 
-    held, live, after_reset, batches = asyncio.run(scenario())
+    async def scenario() -> tuple[set[int], set[int], int, set[int], int, set[int]]:
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(f"tcp://127.0.0.1:{engine.events_port}")
+        live: set[int] = set()
+        async with httpx.AsyncClient(base_url=engine.url, timeout=60) as direct:
+            await asyncio.sleep(0.5)  # the subscription is up before anything happens
+            await reset(direct)  # earlier tests' blocks leave the engine
+            await asyncio.sleep(1.0)
+            await _drain(sock, live)
+            async with app.router.lifespan_context(app):
+                state = app.state.gateway
+                await asyncio.sleep(0.5)
+                transport = httpx.ASGITransport(app=app)
+                async with httpx.AsyncClient(
+                    transport=transport, base_url="http://gw", timeout=120
+                ) as gw:
+                    for i in range(12):
+                        body = {
+                            "model": MODEL,
+                            "max_tokens": 40,  # answers fill blocks too: those count as well
+                            "ignore_eos": True,
+                            "messages": [
+                                {"role": "system", "content": f"{tag} {i % 6} " + SYSTEM * 6},
+                                {"role": "user", "content": f"q{i}"},
+                            ],
+                        }
+                        r = await gw.post("/v1/chat/completions", json=body)
+                        assert r.status_code == 200, r.text
+                    await asyncio.sleep(1.5)  # let the last events arrive
+                removed = await _drain(sock, live)
+                live_before = set(live)
+                held = held_blocks(state.dispatcher.policy, [engine.url])[engine.url]
+                await reset(direct)
+                await asyncio.sleep(1.5)
+                after_reset = held_blocks(state.dispatcher.policy, [engine.url])[engine.url]
+                await _drain(sock, live)
+                live_after = set(live)
+                batches = state.kv_events.batches if state.kv_events is not None else 0
+        sock.close(linger=0)
+        ctx.term()
+        return held, live_before, removed, after_reset, batches, live_after
+
+    held, live, removed, after_reset, batches, live_after = asyncio.run(scenario())
+    if not kv_events:
+        assert held != live or after_reset, "without events the policy cannot follow"
+        return
     assert batches > 0
-    assert sum(len(b) for b in held.values()) >= 3 * 8  # three prompts of >= 8 blocks
-    assert held == live
-    assert not after_reset
+    assert removed > 0, "the scenario did not evict anything"
+    assert len(held) >= 60  # the cache (100 blocks) is mostly the last prompts
+    assert held == live, (len(held - live), len(live - held))
+    assert after_reset == live_after == set()
 
 
 def test_every_vllm_series_in_dashboards_and_alerts_is_exported(fleet: Fleet) -> None:
