@@ -343,11 +343,11 @@ def main() -> int:
 
         return suite_main(sys.argv[2:])
     if sys.argv[1:2] == ["workload-stats"]:
-        from suite import workload_stats
+        from suite_tools import workload_stats
 
         return workload_stats(sys.argv[2:])
     if sys.argv[1:2] == ["bound-check"]:
-        from suite import bound_check
+        from suite_tools import bound_check
 
         return bound_check(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
