@@ -256,12 +256,12 @@ class SharedQueueSimulation:
             self._prefilling.pop(req.id, None)
             record = req.payload
             assert isinstance(record, RequestRecord)
-            record.first_token_time = req.first_token_time
+            record.first_token_time = req.client_first_token_time  # as the cluster sim
             record.cached_tokens = req.cached_tokens or 0
         for req in step.finished:
             record = req.payload
             assert isinstance(record, RequestRecord)
-            record.finish_time = req.finish_time
+            record.finish_time = req.client_finish_time
             record.preemptions = req.preemptions
             if self.budget is not None:
                 self.budget.finished(record)
