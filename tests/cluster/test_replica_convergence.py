@@ -34,9 +34,12 @@ DOC_BLOCKS = 24
 CAPACITY = 90  # blocks per engine: a few documents each, so evictions happen
 REPLICAS = 3
 NOT_YET_EVENT_BUILT = {
-    "preble": "on_cache_event applies removals only; stored blocks never enter the tree",
-    "dualmap": "wants_cache_events is False: its prompt LRU learns only its own routing",
     "cost_model": "wants_cache_events is False: its prompt LRU learns only its own routing",
+}
+UNJUDGED = {
+    "kv_cost": "spreads each document over engines by its decode-block load, so this scenario "
+    "has too few documents with one holder; its event-built index is tested in "
+    "tests/policies/test_kv_cost.py",
 }
 
 
@@ -65,7 +68,8 @@ class Fleet:
         for e, cache in self.held.items():
             n = 0
             while n < len(hashes) and hashes[n] in cache:
-                depth[e] = n
+                n += 1
+            depth[e] = n
         best = max(depth.values())
         holders = [e for e, n in depth.items() if n == best]
         return holders[0] if best and len(holders) == 1 else None
@@ -168,6 +172,8 @@ def prefix_dependent(policy: str) -> bool:
 def test_replicas_agree_on_prefix_state_from_events(
     policy: str, request: pytest.FixtureRequest
 ) -> None:
+    if policy in UNJUDGED:
+        pytest.skip(UNJUDGED[policy])
     if not prefix_dependent(policy):
         pytest.skip(f"{policy}'s decisions do not depend on prefix state")
     if policy in NOT_YET_EVENT_BUILT:
