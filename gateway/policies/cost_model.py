@@ -105,6 +105,7 @@ class CostModelPolicy(PolicyBase):
         self.spt = self.perf.seconds_per_prefill_token()
         self.predictor = OutputPredictor(default=float(self.config.default_output_tokens))
         self.cache = PrefixIndex(1 << 22)
+        self.wants_cache_events = ctx.kv_events
         self._capacity: dict[EngineId, int] = {}
         self._rotation = 0
         self._last_used: dict[EngineId, int] = {}
@@ -266,6 +267,20 @@ class CostModelPolicy(PolicyBase):
     def on_finished(self, req: RequestInfo, engine: EngineId, now: float, ok: bool) -> None:
         if ok and req.output_tokens:
             self.predictor.observe(req, req.output_tokens)
+
+    def on_cache_event(
+        self, engine: EngineId, stored: Sequence[int], removed: Sequence[int]
+    ) -> None:
+        """KV events: blocks any replica's requests stored on ``engine``, and its evictions."""
+        if stored:
+            self.cache.insert(
+                engine, stored, self._capacity.get(engine, self.perf.kv_capacity_blocks)
+            )
+        if removed:
+            self.cache.remove(engine, removed)
+
+    def on_cache_reset(self, engine: EngineId) -> None:
+        self.cache.remove_engine(engine)
 
     def on_engine_removed(self, engine: EngineId) -> None:
         self.cache.remove_engine(engine)

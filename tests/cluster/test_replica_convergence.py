@@ -33,9 +33,7 @@ BLOCK = 16
 DOC_BLOCKS = 24
 CAPACITY = 90  # blocks per engine: a few documents each, so evictions happen
 REPLICAS = 3
-NOT_YET_EVENT_BUILT = {
-    "cost_model": "wants_cache_events is False: its prompt LRU learns only its own routing",
-}
+NOT_YET_EVENT_BUILT: dict[str, str] = {}
 UNJUDGED = {
     "kv_cost": "spreads each document over engines by its decode-block load, so this scenario "
     "has too few documents with one holder; its event-built index is tested in "
