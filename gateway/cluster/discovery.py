@@ -165,7 +165,8 @@ class KubeDiscovery:
         self._tasks = [asyncio.create_task(self._follow(i)) for i in range(len(self._slices))]
         if wait_s > 0:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.synced.wait(), wait_s)
+                async with asyncio.timeout(wait_s):
+                    await self.synced.wait()
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []

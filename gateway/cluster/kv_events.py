@@ -27,7 +27,6 @@ batch at a time, and one integer per (engine, rank), dropped by ``stop_engine``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterable
@@ -195,7 +194,8 @@ class KVEventSubscriber:
         it); False when ``timeout`` passed first."""
         await asyncio.sleep(0)  # let freshly started tasks begin their catch-up
         try:
-            await asyncio.wait_for(self._catch_done.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._catch_done.wait()
         except TimeoutError:
             return False
         return True
@@ -217,11 +217,15 @@ class KVEventSubscriber:
     async def aclose(self) -> None:
         tasks = [*self._tasks.values(), *self._stopping]
         self._tasks.clear()
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        pending = set(tasks)
+        for _ in range(5):  # a cancellation a task swallowed is repeated, a bounded number of times
+            if not pending:
+                break
+            for t in pending:
+                t.cancel()
+            _, pending = await asyncio.wait(pending, timeout=1.0)
+        if pending:
+            log.error("%d KV event tasks did not end when cancelled", len(pending))
         self._ctx.destroy(linger=0)
 
     def _ended(self, key: tuple[str, str], task: asyncio.Task[None]) -> None:
@@ -322,10 +326,12 @@ class KVEventSubscriber:
         timeout = self.replay_timeout_s
         try:
             sock.connect(src.replay)
-            await asyncio.wait_for(sock.send_multipart([b"", start.to_bytes(8, "big")]), timeout)
+            async with asyncio.timeout(timeout):
+                await sock.send_multipart([b"", start.to_bytes(8, "big")])
             expected = start
             while True:
-                frames = await asyncio.wait_for(sock.recv_multipart(), timeout)
+                async with asyncio.timeout(timeout):
+                    frames = await sock.recv_multipart()
                 if frames and frames[0] == b"":
                     frames = frames[1:]  # the envelope delimiter
                 if len(frames) not in (2, 3) or len(frames[-2]) != 8:
@@ -365,9 +371,11 @@ class KVEventSubscriber:
         replayed = 0
         try:
             sock.connect(src.replay or "")
-            await asyncio.wait_for(sock.send_multipart([b"", (0).to_bytes(8, "big")]), timeout)
+            async with asyncio.timeout(timeout):
+                await sock.send_multipart([b"", (0).to_bytes(8, "big")])
             while True:
-                frames = await asyncio.wait_for(sock.recv_multipart(), timeout)
+                async with asyncio.timeout(timeout):
+                    frames = await sock.recv_multipart()
                 if frames and frames[0] == b"":
                     frames = frames[1:]
                 if len(frames) not in (2, 3) or len(frames[-2]) != 8:

@@ -74,7 +74,8 @@ class EngineMonitor:
                 log.exception("engine monitor round failed")
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+                async with asyncio.timeout(self.interval_s):
+                    await self._wake.wait()
 
     async def check_all(self) -> None:
         """One round over every engine, concurrently."""

@@ -231,4 +231,5 @@ class NatsReplicaSync:
                     log.debug("replica sync publish failed: %r", exc)
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+                async with asyncio.timeout(self.interval_s):
+                    await self._wake.wait()

@@ -277,7 +277,8 @@ class EngineDriver:
             if end is None:  # work that cannot run yet; retry soon rather than spin
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), 0.01)
+                    async with asyncio.timeout(0.01):
+                        await self._wake.wait()
                 continue
             if core.num_waiting != waiting:
                 self._note_scheduled()
