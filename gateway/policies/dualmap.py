@@ -58,6 +58,14 @@ knob that restores the paper's rule):
 * The TTFT estimate includes the decode batch's slowdown of prefill steps
   (the paper prices tokens at the bare prefill rate, which is optimistic on
   a busy engine).
+* ``tpot_aware=true``: a candidate also breaches when the request's predicted
+  time per output token there misses its TPOT target: the batch one larger,
+  attending to the context of the requests in flight there, with a share of
+  the steps (the prefill duty cycle of the work this router sent there over
+  ``duty_window_s``, 10 s) carrying a prefill chunk. The paper's SLO is TTFT
+  alone; on agent traffic (hot multi-thousand-token tool prompts), affinity
+  piled prefill on engines whose decodes then missed TPOT: 13 % of requests
+  at 6.3 req/s on 8 A6000 engines, against 0.9 % with this check.
 """
 
 from __future__ import annotations
@@ -73,10 +81,11 @@ from gateway.core.types import ClusterView, Decision, EngineId, EngineView, Migr
 from gateway.perfmodel.model import PerfModel
 from gateway.policies.base import PolicyBase, PolicyContext
 from gateway.policies.hash_ring import HashRing
+from gateway.policies.inflight import InFlightContext, RoutedWork
 from gateway.policies.prefix_hotness import PrefixHotness
 from gateway.policies.prefix_index import PrefixIndex
 from gateway.policies.router_queues import QueuedRequest, RouterQueues
-from gateway.policies.ttft_estimate import step_rate, ttft_s
+from gateway.policies.ttft_estimate import step_rate, tpot_s, ttft_s
 
 _FALLBACK_PERF = PerfModel(name="dualmap-default", prefill_a=4.21, prefill_b=0.1084)
 _DEFAULT_LRU_BLOCKS = 31_250
@@ -97,6 +106,8 @@ class DualMapConfig:
     slo_aware: bool = True
     slo_headroom: float = 1.0
     fresh_headroom: float = 0.25
+    tpot_aware: bool = True
+    duty_window_s: float = 10.0
     overflow: bool = True
     queueing: bool = True
     dispatch_pending_tokens: int = 8192
@@ -122,6 +133,8 @@ class DualMapPolicy(PolicyBase):
         cfg = self.config = config or DualMapConfig()
         self.may_hold = cfg.queueing
         self.wants_cache_events = ctx.kv_events
+        self.flight = InFlightContext()
+        self.routed_work = RoutedWork(cfg.duty_window_s)
         self.rings = self._new_rings()
         # Rings per engine set: a multi-model gateway shows each model's engines in turn.
         self._ring_sets: OrderedDict[tuple[EngineId, ...], tuple[HashRing, HashRing]] = (
@@ -181,6 +194,8 @@ class DualMapPolicy(PolicyBase):
             ring.remove(engine)
         self._ring_sets = OrderedDict((k, v) for k, v in self._ring_sets.items() if engine not in k)
         self.cache.remove_engine(engine)
+        self.flight.remove_engine(engine)
+        self.routed_work.remove_engine(engine)
 
     # -- decision ----------------------------------------------------------------
     def key_units(self, req: RequestInfo) -> tuple[int, ...]:
@@ -232,6 +247,17 @@ class DualMapPolicy(PolicyBase):
         with the engine's running decodes (:mod:`~gateway.policies.ttft_estimate`)."""
         return ttft_s(self.perf, engine, prompt, hit)
 
+    def _tpot_breach(self, engine: EngineView, req: RequestInfo, now: float) -> bool:
+        """``tpot_aware``: would ``req``'s decode on ``engine`` miss its TPOT target? (the
+        batch one larger, attending to the context of what runs there, a share of its steps
+        carrying the prefill chunks this router has been sending there)"""
+        if not self.config.tpot_aware:
+            return False
+        ctx = self.flight.attended(self.perf, engine, req.prompt_tokens)
+        duty = self.routed_work.duty(engine.id, now)
+        tpot = tpot_s(self.perf, engine, req.prompt_tokens, duty=duty, ctx_tokens=ctx)
+        return tpot > req.slo.tpot_s
+
     def _backlog(self, engine: EngineView, queued: int) -> float:
         """Seconds to prefill what ``engine`` has pending plus ``queued`` router-held tokens."""
         rate = step_rate(self.perf, engine)
@@ -282,9 +308,16 @@ class DualMapPolicy(PolicyBase):
             # risk; a first-seen key has nothing to keep together: balance earlier
             seen = self.hotness.count(key) > 0
             limit = req.slo.ttft_s * (cfg.slo_headroom if seen else cfg.fresh_headroom)
-            if cfg.slo_aware and est[prefer.id] > limit and est[other.id] < est[prefer.id]:
+            breach = {
+                e.id: est[e.id] > limit or self._tpot_breach(e, req, now) for e in (prefer, other)
+            }
+            if (
+                cfg.slo_aware
+                and breach[prefer.id]
+                and (not breach[other.id] or est[other.id] < est[prefer.id])
+            ):
                 chosen, reason = other, "dualmap:slo"
-            if cfg.slo_aware and cfg.overflow and est[chosen.id] > limit:
+            if cfg.slo_aware and cfg.overflow and breach[chosen.id]:
                 # every candidate breaches: the engine with the lowest estimate anywhere
                 spill_est, spill, spill_hit = min(
                     (
@@ -296,7 +329,10 @@ class DualMapPolicy(PolicyBase):
                     key=lambda t: t[0],
                     default=(float("inf"), None, 0),
                 )
-                if spill is not None and spill_est < est[chosen.id]:
+                if spill is not None and (
+                    spill_est < est[chosen.id]
+                    or (spill_est <= limit and not self._tpot_breach(spill, req, now))
+                ):
                     chosen, reason = spill, "dualmap:overflow"
                     hits[spill.id] = spill_hit
         hold = cfg.queueing and (
@@ -323,6 +359,14 @@ class DualMapPolicy(PolicyBase):
         _, depth = self.key(req)
         if self.config.adaptive and depth:
             self.hotness.observe(self.key_units(req), depth)
+        self.flight.add(req.id, decision.engine, req.prompt_tokens)
+        hit = min(decision.expected_hit_tokens, req.prompt_tokens)
+        self.routed_work.add(
+            decision.engine, self.perf.prefill_time(req.prompt_tokens - hit, hit), now
+        )
+
+    def on_finished(self, req: RequestInfo, engine: EngineId, now: float, ok: bool) -> None:
+        self.flight.finish(req.id)
 
     def can_dispatch(self, engine: EngineView, pending_tokens: int, item: QueuedRequest) -> bool:
         return pending_tokens < self.config.dispatch_pending_tokens

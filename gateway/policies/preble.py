@@ -42,6 +42,13 @@ Deviations from the paper (measured in ``docs/policies.md``; knobs restore it):
 * **P/D balancing off** (``pd_balance=false``): sending prefill-heavy requests
   to decode-heavy engines stretches those decodes (chunked prefill shares the
   step), which cost up to 7 points of SLO attainment on long-prompt traffic.
+* **This request's decode in the load**: each engine's load adds the
+  request's predicted output tokens times its predicted TPOT there (the
+  batch one larger, attending to the context in flight there), so a hot
+  prefix stops piling onto engines whose decode batches are already slow.
+* ``rebalance_warmup=5`` (x engines; 50 before): on traffic where every
+  request shares a prefix, the first 50 x N requests all went to the first
+  holder before rebalancing could start.
 """
 
 from __future__ import annotations
@@ -54,9 +61,10 @@ from typing import ClassVar
 from gateway.core.types import ClusterView, Decision, EngineId, EngineView, RequestInfo
 from gateway.perfmodel.model import PerfModel
 from gateway.policies.base import PolicyBase, PolicyContext
+from gateway.policies.inflight import InFlightContext
 from gateway.policies.prefix_index import PrefixIndex
 from gateway.policies.radix_tree import Node, RadixTree
-from gateway.policies.ttft_estimate import wait_s
+from gateway.policies.ttft_estimate import tpot_s, wait_s
 
 _FALLBACK_PERF = PerfModel(
     name="preble-default",
@@ -75,7 +83,7 @@ class PrebleConfig:
     explore: bool = True
     rebalance: bool = True
     th_bal: float = 1.5
-    rebalance_warmup: int = 50
+    rebalance_warmup: int = 5
     rebalance_min_gap_s: float = 1.0
     replicate: bool = True
     replicate_ratio: float = 2.0
@@ -163,6 +171,7 @@ class PreblePolicy(PolicyBase):
         self.exact: set[EngineId] = set()
         # Blocks the engines announced (KV events): what other gateway replicas routed there.
         self.announced = PrefixIndex(1 << 22)
+        self.flight = InFlightContext()
         self.routed = 0
         self.replications = 0
         self._requests: dict[str, _Routed] = {}
@@ -189,7 +198,8 @@ class PreblePolicy(PolicyBase):
             for e in healthy
         }
         best = max(cached.values())
-        load = {e.id: self._load(e) for e in healthy}
+        out = self._predict_output(match.path)
+        load = {e.id: self._load(e, req, out) for e in healthy}
         if best > req.prompt_tokens - best or not cfg.explore:
             holders = [e for e in healthy if cached[e.id] == best]
             chosen = min(holders, key=lambda e: load[e.id])
@@ -260,6 +270,7 @@ class PreblePolicy(PolicyBase):
     # -- hooks -------------------------------------------------------------------
     def on_routed(self, req: RequestInfo, decision: Decision, now: float) -> None:
         engine = decision.engine
+        self.flight.add(req.id, engine, req.prompt_tokens)
         path = self.tree.insert(req.block_hashes, now)
         self.tree.record(path, engine, now)
         self.tree.add_engine(path, engine, now)
@@ -289,6 +300,7 @@ class PreblePolicy(PolicyBase):
             self._maybe_replicate(state, now)
 
     def on_finished(self, req: RequestInfo, engine: EngineId, now: float, ok: bool) -> None:
+        self.flight.finish(req.id)
         state = self._requests.pop(req.id, None)
         if state is None or not ok:
             return
@@ -318,6 +330,7 @@ class PreblePolicy(PolicyBase):
         self.exact.discard(engine)  # modelled again until its events resume
 
     def on_engine_removed(self, engine: EngineId) -> None:
+        self.flight.remove_engine(engine)
         self.tree.remove_engine(engine)
         self.announced.remove_engine(engine)
         self.loads.forget(engine)
@@ -326,13 +339,17 @@ class PreblePolicy(PolicyBase):
         self.exact.discard(engine)
 
     # -- helpers -------------------------------------------------------------------
-    def _load(self, engine: EngineView) -> float:
-        """Window load L, plus (``queue_aware``) the time to prefill what is queued now."""
+    def _load(self, engine: EngineView, req: RequestInfo, out: float) -> float:
+        """Window load L, plus (``queue_aware``) the time to prefill what is queued now and
+        this request's predicted decode time there (its batch and the context it attends)."""
         cfg = self.config
         window = self.loads.load(engine.id)
         if not cfg.queue_aware:
             return window
-        return window * min(1.0, cfg.load_horizon_s / cfg.window_s) + wait_s(self.perf, engine)
+        ctx = self.flight.attended(self.perf, engine, req.prompt_tokens)
+        decode = out * tpot_s(self.perf, engine, req.prompt_tokens, ctx_tokens=ctx)
+        scaled = window * min(1.0, cfg.load_horizon_s / cfg.window_s)
+        return scaled + wait_s(self.perf, engine) + decode
 
     def _current_path(self, req: RequestInfo, old: list[Node]) -> list[Node]:
         match = self.tree.match(req.block_hashes)

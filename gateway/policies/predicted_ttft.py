@@ -1,50 +1,75 @@
-"""Predicted TTFT: each engine's time to first token from the engine model and its cache.
+"""Predicted TTFT: price each engine by the request's predicted latency and the work it adds.
 
-Algorithm (kvgate's own; the idea of pricing queued prefill work against
-cache hits is shared with Preble's ``L + P``, Mooncake's conductor and
-Dynamo's KV cost):
+Algorithm (kvgate's own; pricing queued prefill against cache hits is shared
+with Preble's ``L + P``, Mooncake's conductor and Dynamo's KV cost; the share
+cap answers the shared-system-prompt pile-up reported against SMG, llm-d and
+Dynamo, ``../shared/docs/anchors.md``):
 
 1. **Cache.** Match the prompt's chained block hashes against a per-engine
    prefix index (:class:`~gateway.policies.prefix_index.PrefixIndex`): the
    blocks of prompts routed to each engine, an LRU as large as the engine's
    KV cache; with KV events (``PolicyContext.kv_events`` or ``precise``) the
-   engines' own stored/removed blocks correct it.
-2. **Predict.** For every healthy engine ``e``::
+   engines' own stored/removed blocks correct it (other replicas' routing).
+2. **Predict**, for every healthy engine ``e``, from the shared performance
+   model (:mod:`~gateway.policies.ttft_estimate`)::
 
-       ttft(e) = wait(e) + prefill(uncached(e), cached(e)) * slowdown(e)
-       wait(e) = (pending prefill tokens + router-queued tokens) / rate(e)
+       ttft(e) = queued(e) / rate(e) + prefill(uncached(e), cached(e)) * slowdown(e)
+       tpot(e) = (1 - duty(e)) * decode_step(batch + 1, ctx(e))
+                 + duty(e) * mixed_step(chunk, batch + 1, ctx(e))
 
-   ``rate(e)`` is the prefill throughput of one engine step (the token budget
-   less one token per running sequence, over the step time with that decode
-   batch and the context it holds, from the shared performance model);
-   ``slowdown(e)`` is how much the decodes sharing the steps stretch this
-   request's own prefill. ``uncached(e)`` is the prompt less the blocks
-   engine ``e`` is believed to hold.
-3. **Pick** the lowest predicted TTFT; near-equal predictions (within
-   ``tie_s``) go to the engine with the least queued work, then in turn, so
-   an idle cluster spreads unique prompts evenly.
+   ``rate``/``slowdown``: prefill throughput of a step shared with the running
+   decodes. ``ctx(e)`` is the context those decodes attend to: the running
+   count times the mean prompt this router has in flight there, at least the
+   KV in use (:class:`~gateway.policies.inflight.InFlightContext`: KV usage
+   counts a shared prefix once, attention reads it once per sequence).
+   ``duty(e)`` is the engine's recent prefill duty cycle: prefill seconds
+   routed there, decayed over ``duty_window_s`` (chunked prefill shares the
+   decode steps, :class:`~gateway.policies.inflight.RoutedWork`); with KV
+   events, the prefill of the blocks the engine announced instead, which
+   every gateway replica sees alike.
+3. **Feasible** engines meet the request's TTFT target and
+   ``tpot_headroom`` x its TPOT target; when none does, all are candidates.
+4. **Cost** = ``ttft + out * tpot`` (``decode_in_cost``; ``out`` the request's
+   predicted output, or learnt per prefix by an
+   :class:`~gateway.policies.output_predictor.OutputPredictor`)
+   ``+ lambda * prefill(e)`` with ``lambda = work_weight * u / (1 - u)``:
+   on a cluster whose engines have prefill queued (``u``: share of them, an
+   EWMA over ``busy_window`` decisions, capped at ``max_utilisation``), the
+   prefill a miss adds delays the requests behind it by about ``W u/(1-u)``,
+   so a busy cluster keeps affinity and an idle one spreads
+   ``+ share_weight * prefill(whole prompt) * max(0, share(e) * N - 1 - share_slack)``:
+   an engine whose recent share of requests (EWMA over ``share_window`` x N
+   decisions, started at 0) exceeds its fair share by more than the slack
+   costs about one cold prefill per excess share, so a prefix that all
+   traffic shares spreads over the engines even when the views lag.
+5. **Pick** the cheapest; costs within ``tie_s`` go to the least queued
+   engine, then the fewest in flight, then in turn.
 
-A prefix shared by all traffic (a system prompt) is cached on every engine
-after its first request there and stops mattering; a hot prefix stays on its
-engines only while their queues are shorter than the prefill it would cost
-elsewhere, so it spreads over as many engines as its load needs, and a
-multi-turn session keeps its engine unless that engine is busier by more than
-its history costs to recompute.
+Memory: the index holds at most ``2**22`` blocks (each engine's part at most
+its KV capacity, ``index_blocks`` to override); the in-flight context at most
+``2**20`` requests; the rest is one small record per engine.
 
-Knobs: ``tie_s=0.005``; ``index_blocks=0`` (0: each engine's KV capacity);
-``precise=false`` (also on when the driver delivers KV events).
+Knobs (defaults): ``work_weight=2``, ``decode_aware=true``,
+``decode_in_cost=true``, ``tpot_headroom=1``, ``duty_window_s=10``,
+``decode_weight=0`` (an extra ``u x prefill x running/mean running`` term),
+``share_slack=0.2``, ``share_weight=10``, ``share_window=32``,
+``max_utilisation=0.9``, ``busy_window=32``, ``tie_s=0.005``,
+``index_blocks=0``, ``precise=false``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from gateway.core.types import ClusterView, Decision, EngineId, EngineView, RequestInfo
 from gateway.perfmodel.model import PerfModel
 from gateway.policies.base import PolicyBase, PolicyContext
+from gateway.policies.inflight import InFlightContext, RoutedWork
+from gateway.policies.output_predictor import OutputPredictor
 from gateway.policies.prefix_index import PrefixIndex
+from gateway.policies.ttft_estimate import queued_tokens, step_rate, tpot_s, wait_s
 
 _FALLBACK_PERF = PerfModel(name="predicted-ttft-default", prefill_a=4.21, prefill_b=0.1084)
 _DEFAULT_INDEX_BLOCKS = 31_250  # ~500k tokens of 16 when an engine reports no KV size
@@ -53,19 +78,43 @@ _MAX_INDEX_BLOCKS = 1 << 22
 
 @dataclass(frozen=True, slots=True)
 class PredictedTtftConfig:
-    tie_s: float = 0.005
-    waste_weight: float = 0.0
+    work_weight: float = 2.0
+    decode_aware: bool = True
+    decode_in_cost: bool = True
+    tpot_headroom: float = 1.0
+    duty_window_s: float = 10.0
     decode_weight: float = 0.0
-    busy_scaled: bool = False
+    share_slack: float = 0.2
+    share_weight: float = 10.0
+    share_window: int = 32
+    max_utilisation: float = 0.9
+    busy_window: int = 32
+    tie_s: float = 0.005
     index_blocks: int = 0
     precise: bool = False
     """Correct the routed-prompt index with the engines' KV events (stored, removed, cleared)."""
 
     def __post_init__(self) -> None:
-        if self.tie_s < 0:
-            raise ValueError("tie_s must be >= 0")
+        if min(self.work_weight, self.decode_weight, self.tie_s) < 0:
+            raise ValueError("work_weight, decode_weight and tie_s must be >= 0")
+        if not 0.0 < self.max_utilisation < 1.0:
+            raise ValueError("max_utilisation must be within (0, 1)")
         if self.index_blocks < 0:
             raise ValueError("index_blocks must be >= 0")
+        if self.share_slack < 0 or self.share_weight < 0 or self.share_window <= 0:
+            raise ValueError("share_slack and share_weight must be >= 0, share_window > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """One engine's price for a request."""
+
+    engine: EngineView
+    ttft_s: float
+    work_s: float
+    hit_tokens: int
+    tpot_s: float = 0.0
+    cost: float = 0.0
 
 
 class PredictedTtftPolicy(PolicyBase):
@@ -78,67 +127,99 @@ class PredictedTtftPolicy(PolicyBase):
         self.index = PrefixIndex(_MAX_INDEX_BLOCKS)
         self._capacity: dict[EngineId, int] = {}
         self._turn = 0
+        # Each engine's recent share of requests, an EWMA over share_window x N decisions
+        # started at 0 (not bias-corrected: a single early request must not look like 100 %)
+        self._share: dict[EngineId, float] = {}
+        self.outputs = OutputPredictor(default=128.0)
+        self.routed_work = RoutedWork(self.config.duty_window_s)
+        self._block_size = ctx.block_size
+        self._clock = 0.0  # the latest time a decision or routing was made at
+        self._last_work = 0.0  # this decision's prefill seconds on the chosen engine
+        self.flight = InFlightContext()
+        self._engines = 1
+        self._busy = 0.0
+        self._observed = 0.0  # this decision's busy share, folded into _busy when routed
 
     # -- prediction ---------------------------------------------------------------
-    def _step_rates(self, e: EngineView) -> tuple[float, float]:
-        """(prefill tokens per second, slowdown of a prefill) on ``e`` given its decodes."""
-        perf = self.perf
-        budget = perf.max_num_batched_tokens
-        running = min(e.num_running, budget - 1)
-        chunk = budget - running
-        ctx_total = int(e.kv_usage * (e.kv_capacity_blocks or perf.kv_capacity_blocks)) * (
-            perf.block_size
-        )
-        alone = perf.step_time([(chunk, 0)], 0, 0)
-        mixed = perf.step_time([(chunk, 0)], running, ctx_total) if running else alone
-        return chunk / mixed, mixed / alone
-
-    def predict(self, req: RequestInfo, view: ClusterView) -> list[tuple[float, int, EngineView]]:
-        """(cost seconds, cached tokens, engine) for every healthy engine."""
+    def predict(self, req: RequestInfo, view: ClusterView, now: float = 0.0) -> list[Prediction]:
+        """Every healthy engine's predicted TTFT, prefill work and cost for ``req``."""
+        cfg = self.config
         matched = self.index.match(req.block_hashes)
         cap = max(0, req.prompt_tokens - 1)
-        rows = []
+        rows: list[Prediction] = []
+        out = float(req.predicted_output_tokens or self.outputs.predict(req))
         for e in view.healthy():
             hit = min(matched.get(e.id, 0) * req.block_size, cap)
-            rate, slowdown = self._step_rates(e)
-            queued = e.pending_prefill_tokens + e.router_queued_tokens
+            ctx = self.flight.attended(self.perf, e, req.prompt_tokens)
+            rate = step_rate(self.perf, e, ctx)
+            wait = wait_s(self.perf, e, rate)
             work = self.perf.prefill_time(req.prompt_tokens - hit, hit)
-            rows.append((queued / rate, work * slowdown, work, hit, e))
-        w = self.config.waste_weight
-        if self.config.busy_scaled and rows:
-            step = self.perf.step_time([(self.perf.max_num_batched_tokens, 0)], 0, 0)
-            busy = sum(1 for r in rows if r[0] > step) / len(rows)
-            w *= busy / max(1e-3, 1.0 - busy) if busy < 1 else 1e3
-            w = min(w, 4.0 * self.config.waste_weight)
-        least = min((r[2] for r in rows), default=0.0)
-        g = self.config.decode_weight
-        mean_running = max(1.0, sum(r[4].num_running for r in rows) / max(1, len(rows)))
+            tpot = (
+                tpot_s(
+                    self.perf,
+                    e,
+                    req.prompt_tokens,
+                    duty=self.routed_work.duty(e.id, now),
+                    ctx_tokens=ctx,
+                )
+                if cfg.decode_aware
+                else 0.0
+            )
+            rows.append(Prediction(e, wait + work * rate.slowdown, work, hit, tpot))
+        if not rows:
+            return rows
+        # how busy the cluster is: the share of engines with prefill queued, smoothed over
+        # decisions; extra work W on a busy cluster delays later requests by ~W u / (1 - u)
+        self._observed = sum(1 for p in rows if queued_tokens(p.engine) > 0) / len(rows)
+        u = min(cfg.max_utilisation, self._busy)
+        lam = cfg.work_weight * u / (1.0 - u)
+        mean_running = max(1.0, sum(p.engine.num_running for p in rows) / len(rows))
+        full = self.perf.prefill_time(req.prompt_tokens, 0)
+        fair = 1.0 / len(rows)
         return [
-            (wait + own + w * (work - least) + g * work * e.num_running / mean_running, hit, e)
-            for wait, own, work, hit, e in rows
+            replace(
+                p,
+                cost=p.ttft_s
+                + (out * p.tpot_s if cfg.decode_in_cost else 0.0)
+                + lam * p.work_s
+                + cfg.decode_weight * u * p.work_s * p.engine.num_running / mean_running
+                + cfg.share_weight * full * self._excess_share(p.engine.id, fair),
+            )
+            for p in rows
         ]
+
+    def _excess_share(self, engine: EngineId, fair: float) -> float:
+        """How far ``engine``'s recent share of requests is above its fair share (+ slack)."""
+        share = self._share.get(engine, 0.0)
+        return max(0.0, share / fair - 1.0 - self.config.share_slack)
 
     def decide(self, req: RequestInfo, view: ClusterView, now: float) -> Decision:
         for e in view.engines:
             if e.kv_capacity_blocks:
                 self._capacity[e.id] = e.kv_capacity_blocks
-        predictions = self.predict(req, view)
-        best = min(p[0] for p in predictions)
-        near = [p for p in predictions if p[0] <= best + self.config.tie_s]
-        n = len(predictions)
-        order = {p[2].id: i for i, p in enumerate(predictions)}
-        _cost, hit, chosen = min(
+        self._clock = max(self._clock, now)
+        rows = self.predict(req, view, now)
+        self._engines = len(rows)
+        slo = req.slo.ttft_s
+        tpot_limit = req.slo.tpot_s * self.config.tpot_headroom
+        feasible = [p for p in rows if p.ttft_s <= slo and p.tpot_s <= tpot_limit] or rows
+        best = min(p.cost for p in feasible)
+        near = [p for p in feasible if p.cost <= best + self.config.tie_s]
+        order = {p.engine.id: i for i, p in enumerate(rows)}
+        n = len(rows)
+        pick = min(
             near,
             key=lambda p: (
-                p[2].pending_prefill_tokens + p[2].router_queued_tokens,
-                p[2].in_flight,
-                (order[p[2].id] - self._turn) % n,
+                queued_tokens(p.engine),
+                p.engine.in_flight,
+                (order[p.engine.id] - self._turn) % n,
             ),
         )
+        self._last_work = pick.work_s
         return Decision(
-            engine=chosen.id,
-            expected_hit_tokens=hit,
-            reason="predicted_ttft:hit" if hit else "predicted_ttft:miss",
+            engine=pick.engine.id,
+            expected_hit_tokens=pick.hit_tokens,
+            reason="predicted_ttft:hit" if pick.hit_tokens else "predicted_ttft:miss",
         )
 
     # -- hooks -------------------------------------------------------------------
@@ -147,13 +228,30 @@ class PredictedTtftPolicy(PolicyBase):
 
     def on_routed(self, req: RequestInfo, decision: Decision, now: float) -> None:
         self._turn += 1
+        self._busy += (self._observed - self._busy) / self.config.busy_window
+        if not self.wants_cache_events:  # with KV events the engines' stored blocks count
+            self.routed_work.add(decision.engine, self._last_work, now)
+        self.flight.add(req.id, decision.engine, req.prompt_tokens)
+        n = max(1, self._engines)
+        alpha = 1.0 / (self.config.share_window * n)
+        for e in self._share:
+            self._share[e] *= 1.0 - alpha
+        self._share[decision.engine] = self._share.get(decision.engine, 0.0) + alpha
         self.index.insert(decision.engine, req.block_hashes, self._index_blocks(decision.engine))
+
+    def on_finished(self, req: RequestInfo, engine: EngineId, now: float, ok: bool) -> None:
+        self.flight.finish(req.id)
+        if ok and req.output_tokens:
+            self.outputs.observe(req, req.output_tokens)
 
     def on_cache_event(
         self, engine: EngineId, stored: Sequence[int], removed: Sequence[int]
     ) -> None:
         if stored:
             self.index.insert(engine, stored, self._index_blocks(engine))
+            # what every replica sees: the engine prefilled these blocks, whoever routed them
+            tokens = len(stored) * self._block_size
+            self.routed_work.add(engine, self.perf.prefill_time(tokens, 0), self._clock)
         if removed:
             self.index.remove(engine, removed)
 
@@ -163,3 +261,6 @@ class PredictedTtftPolicy(PolicyBase):
     def on_engine_removed(self, engine: EngineId) -> None:
         self.index.remove_engine(engine)
         self._capacity.pop(engine, None)
+        self._share.pop(engine, None)
+        self.routed_work.remove_engine(engine)
+        self.flight.remove_engine(engine)

@@ -27,16 +27,16 @@ class StepRate:
     slowdown: float
 
 
-def step_rate(perf: PerfModel, engine: EngineView) -> StepRate:
-    """The prefill throughput of one of ``engine``'s steps, given its running decodes."""
+def step_rate(perf: PerfModel, engine: EngineView, ctx_tokens: int | None = None) -> StepRate:
+    """The prefill throughput of one of ``engine``'s steps, given its running decodes
+    (``ctx_tokens``: the context they attend to, default the view's KV in use)."""
     budget = perf.max_num_batched_tokens
     running = max(0, min(engine.num_running, budget - 1))
     chunk = budget - running
     alone = perf.step_time([(chunk, 0)], 0, 0)
     if not running:
         return StepRate(chunk / alone, 1.0)
-    capacity = engine.kv_capacity_blocks or perf.kv_capacity_blocks
-    ctx = int(max(0.0, min(1.0, engine.kv_usage)) * capacity) * perf.block_size
+    ctx = kv_tokens(perf, engine) if ctx_tokens is None else ctx_tokens
     mixed = perf.step_time([(chunk, 0)], running, ctx)
     return StepRate(chunk / mixed, mixed / alone)
 
@@ -61,3 +61,35 @@ def ttft_s(
     wait = (queued_tokens(engine) + extra) / rate.tokens_per_s
     own = perf.prefill_time(prompt_tokens - cached_tokens, cached_tokens) * rate.slowdown
     return wait + own
+
+
+def kv_tokens(perf: PerfModel, engine: EngineView) -> int:
+    """Tokens of KV the engine's running sequences hold (KV usage x capacity)."""
+    capacity = engine.kv_capacity_blocks or perf.kv_capacity_blocks
+    return int(max(0.0, min(1.0, engine.kv_usage)) * capacity) * perf.block_size
+
+
+def tpot_s(
+    perf: PerfModel,
+    engine: EngineView,
+    context_tokens: int,
+    *,
+    duty: float = 0.0,
+    ctx_tokens: int | None = None,
+) -> float:
+    """Predicted time per output token on ``engine`` for a new sequence of ``context_tokens``.
+
+    Its decode steps run with the batch one larger; a share ``duty`` of them (the engine's
+    recent prefill duty cycle: prefills that arrive while it decodes) also carry a full
+    prefill chunk, as chunked prefill shares the step. The prefill queued ahead of it is
+    done before its first token and does not count. ``ctx_tokens`` is the context the
+    running batch attends to (default: the view's KV in use, which counts a prefix shared
+    by many sequences once)."""
+    batch = engine.num_running + 1
+    ctx = (kv_tokens(perf, engine) if ctx_tokens is None else ctx_tokens) + context_tokens
+    step = perf.decode_step_time(batch, ctx)
+    duty = max(0.0, min(1.0, duty))
+    if duty > 0:
+        chunk = max(1, perf.max_num_batched_tokens - batch)
+        step = (1.0 - duty) * step + duty * perf.step_time([(chunk, 0)], batch, ctx)
+    return step

@@ -74,7 +74,9 @@ def test_a_system_prompt_shared_by_all_traffic_is_never_the_final_key() -> None:
 
 
 def test_without_the_shared_rule_the_shared_prompt_pins_two_engines_until_hot() -> None:
-    _, d = make(shared_share=0)
+    # tpot_aware off in both tests: on this model's slow prefill (1 s per 1,024 tokens) the
+    # routed prefill's duty cycle alone breaches TPOT (tested below on a real preset)
+    _, d = make(shared_share=0, tpot_aware=False)
     system = next(_segs)
     first = [d.route(prompt((system, 512), (next(_segs), 512)), view(), 0.0) for _ in range(15)]
     assert len({x.engine for x in first}) <= 2  # the warm-up collapse the rule prevents
@@ -91,7 +93,7 @@ def test_a_short_prompt_behind_a_shared_prompt_keys_on_its_partial_unit() -> Non
 
 
 def test_overflow_goes_anywhere_when_both_candidates_breach_and_is_found_again() -> None:
-    policy, d = make(queueing=False, rebalance=False)
+    policy, d = make(queueing=False, rebalance=False, tpot_aware=False)
     doc = prompt((next(_segs), 2048))
     first = d.route(doc, view(), 0.0)
     cands = first.candidates
@@ -176,3 +178,31 @@ def test_kv_events_feed_the_prompt_lru() -> None:
     d.cache_event(b.id, (), r.block_hashes)
     d.cache_reset(b.id)
     assert make()[0].wants_cache_events is False
+
+
+def test_a_candidate_whose_decodes_would_miss_tpot_breaches() -> None:
+    """``tpot_aware``: the engine holding the prompt was just sent ~9 s of prefill (duty
+    cycle ~0.9 over 10 s): with 40 decodes running there, a step carrying a prefill chunk
+    takes ~0.3 s, so the request's predicted TPOT misses 0.1 s and it goes to its other
+    candidate; with the check off it stays on the holder (its TTFT estimate is fine)."""
+    from gateway.perfmodel.presets import load_preset
+
+    a6000 = load_preset("mistral-7b-a6000")
+    for aware, stays in ((True, False), (False, True)):
+        ctx = PolicyContext(block_size=BS, perf=a6000)
+        policy = create_policy("dualmap", ctx, {"tpot_aware": aware})
+        assert isinstance(policy, DualMapPolicy)
+        policy.on_membership(E8)
+        d = Dispatcher(policy)
+        seg = next(_segs)
+        r = prompt((seg, 1024))
+        holder = d.route(r, view(), 0.0).engine
+        d.finished(r, holder, 0.1, True)
+        only = {e: {"healthy": e == holder} for e in E8}
+        for _ in range(10):  # cold 8k-token documents: ~0.9 s of prefill each
+            big = prompt((next(_segs), 8192))
+            assert d.route(big, view(**only), 0.2).engine == holder
+            d.finished(big, holder, 0.3, True)
+        stats = {holder: {"num_running": 40, "kv_usage": 0.5, "kv_capacity_blocks": 14_000}}
+        again = d.route(prompt((seg, 1024)), view(**stats), 1.0)  # the same prompt again
+        assert (again.engine == holder) is stays, (aware, again.reason)

@@ -1,0 +1,189 @@
+"""predicted_ttft on hand-built views: the cache against the queue, TPOT feasibility with the
+context decodes attend to, the busy-cluster work price, the share penalty, KV events, ties."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from gateway.core.errors import ConfigError
+from gateway.core.types import ClusterView, EngineView, RequestInfo
+from gateway.perfmodel.presets import load_preset
+from gateway.policies import Dispatcher, PolicyContext, create_policy
+from gateway.policies.predicted_ttft import PredictedTtftPolicy
+
+BS = 16
+PERF = load_preset("mistral-7b-a6000")
+
+
+def ev(i: int, **kw: object) -> EngineView:
+    return EngineView(id=f"e{i}", kv_capacity_blocks=PERF.kv_capacity_blocks, **kw)  # type: ignore[arg-type]
+
+
+def view(*engines: EngineView) -> ClusterView:
+    return ClusterView(tuple(engines))
+
+
+def req(rid: str, hashes: tuple[int, ...], extra: int = 0, out: int = 64) -> RequestInfo:
+    return RequestInfo(
+        id=rid,
+        block_hashes=hashes,
+        prompt_tokens=BS * len(hashes) + extra,
+        arrival=0.0,
+        predicted_output_tokens=out,
+    )
+
+
+def make(**options: object) -> tuple[PredictedTtftPolicy, Dispatcher]:
+    policy = create_policy("predicted_ttft", PolicyContext(seed=1, perf=PERF), options or None)
+    assert isinstance(policy, PredictedTtftPolicy)
+    return policy, Dispatcher(policy)
+
+
+def warm(d: Dispatcher, r: RequestInfo, engine: str, n: int, now: float = 0.0) -> None:
+    """Route ``r`` with only ``engine`` healthy, then finish it."""
+    engines = [ev(i, healthy=f"e{i}" == engine) for i in range(n)]
+    assert d.route(r, view(*engines), now).engine == engine
+    d.finished(r, engine, now + 0.1, True)
+
+
+DOC = tuple(range(1000, 1500))  # 500 blocks: 8,000 tokens, ~0.9 s to prefill cold
+
+
+@pytest.mark.parametrize(("queued_tokens", "expected"), [(2_000, "e0"), (12_000, "e1")])
+def test_a_hit_wins_until_its_queue_costs_more_than_the_prefill_elsewhere(
+    queued_tokens: int, expected: str
+) -> None:
+    """e0 holds the document: 2,000 queued tokens (~0.3 s) cost less than prefilling 8,000
+    tokens on idle e1 (~0.9 s); 12,000 queued tokens (~1.6 s) cost more."""
+    _, d = make()
+    warm(d, req("w", DOC), "e0", 2)
+    v = view(ev(0, pending_prefill_tokens=queued_tokens), ev(1))
+    decision = d.route(req("q", (*DOC, 7)), v, 60.0)  # the warm-up's prefill long done
+    assert decision.engine == expected
+    assert (decision.expected_hit_tokens > 0) == (expected == "e0")
+
+
+def test_an_idle_cluster_spreads_unique_prompts_evenly() -> None:
+    """The turn rotation among near-equal engines, the share penalty and the routed prefill
+    work (duty cycle) each spread them; any one of them suffices."""
+    _, d = make()
+    v = view(*(ev(i) for i in range(4)))
+    counts = Counter(
+        d.route(req(f"u{i}", (i * 10 + 1, i * 10 + 2)), v, i * 0.01).engine for i in range(40)
+    )
+    assert counts == {"e0": 10, "e1": 10, "e2": 10, "e3": 10}
+
+
+def test_a_decode_batch_attending_to_a_shared_prefix_many_times_is_tpot_infeasible() -> None:
+    """e0 holds the prefix and runs 60 sequences that each attend to its 8,000 tokens; its KV
+    usage counts the prefix once (~4 %), so only the in-flight context shows the decode step
+    at ~0.13 s, past the 0.1 s TPOT target: the request goes to idle e1. (share_weight 0:
+    the router sent e0 all its recent requests, which alone would move this one; the decode
+    term off, so that the TPOT target alone decides.)"""
+    _, d = make(share_weight=0, decode_in_cost=False)
+    warm(d, req("w", DOC), "e0", 2)
+    for i in range(60):  # the router sent them: it knows their prompts
+        d.route(req(f"r{i}", (*DOC, 10_000 + i)), view(ev(0), ev(1, healthy=False)), 0.1)
+    busy = ev(0, num_running=60, kv_usage=0.04)
+    decision = d.route(req("q", (*DOC, 7)), view(busy, ev(1)), 60.0)
+    assert decision.engine == "e1"
+
+
+def test_short_requests_in_flight_keep_the_same_engine_fast_enough() -> None:
+    """The counterpart of the test above: the 60 sequences the router sent are 64-token
+    prompts, so the batch attends to ~4,000 tokens and e0 keeps the hit. (With nothing in
+    flight the policy assumes running sequences as long as this prompt.)"""
+    _, d = make(share_weight=0, decode_in_cost=False)
+    warm(d, req("w", DOC), "e0", 2)
+    for i in range(60):
+        d.route(
+            req(f"r{i}", (20_000 + i, 30_000 + i, 40_000 + i, 50_000 + i)),
+            view(ev(0), ev(1, healthy=False)),
+            0.1,
+        )
+    busy = ev(0, num_running=60, kv_usage=0.04)
+    assert d.route(req("q", (*DOC, 7)), view(busy, ev(1)), 60.0).engine == "e0"
+
+
+@pytest.mark.parametrize(("work_weight", "expected"), [(2.0, "e0"), (0.0, "e1")])
+def test_a_busy_cluster_prices_the_work_a_miss_adds(work_weight: float, expected: str) -> None:
+    """Every engine has prefill queued (utilisation near its cap): e0's hit is predicted a
+    little slower than a cold prefill on e1, but the 8,000 extra tokens e1 would prefill delay
+    the requests behind it; with ``work_weight=0`` only the TTFT counts."""
+    policy, d = make(work_weight=work_weight)
+    warm(d, req("w", DOC), "e0", 2)
+    cold = PERF.prefill_time(len(DOC) * BS, 0)
+    queued_e1 = 6_000
+    # e0's wait makes its TTFT ~0.05 s above e1's (both far below the 5 s SLO)
+    rate = 2048 / PERF.step_time([(2048, 0)], 0, 0)
+    queued_e0 = queued_e1 + int((cold + 0.05) * rate)
+    v = view(ev(0, pending_prefill_tokens=queued_e0), ev(1, pending_prefill_tokens=queued_e1))
+    for i in range(200):  # the share of engines with prefill queued, as routing sees it
+        policy.predict(req(f"p{i}", (7,)), v)
+        policy._busy += (policy._observed - policy._busy) / policy.config.busy_window
+    rows = {p.engine.id: p for p in policy.predict(req("q", (*DOC, 7)), v)}
+    assert rows["e0"].ttft_s > rows["e1"].ttft_s  # the premise: e1 is predicted faster
+    assert d.route(req("q", (*DOC, 7)), v, 1.0).engine == expected
+
+
+@pytest.mark.parametrize(("share_weight", "spread"), [(10.0, True), (0.0, False)])
+def test_a_prefix_every_request_shares_does_not_pile_on_one_engine(
+    share_weight: float, spread: bool
+) -> None:
+    """Views that never show the load (a replica blind to it, or a burst within one scrape):
+    the share penalty keeps each engine's recent share of requests near 1/N."""
+    # decode_in_cost off: the decode term alone also spreads them (the routed prefill work
+    # raises the holder's predicted TPOT), which would hide the penalty
+    _, d = make(share_weight=share_weight, decode_in_cost=False)
+    system = tuple(range(1, 33))  # 512 shared tokens
+    warm(d, req("w", system), "e0", 4)
+    v = view(*(ev(i) for i in range(4)))
+    routed = [
+        d.route(req(f"s{i}", (*system, 50_000 + i), extra=8), v, 1.0 + i * 0.01).engine
+        for i in range(400)
+    ]
+    counts = Counter(routed[200:])  # once the shares have settled (window 32 x 4 requests)
+    busiest = max(counts.values()) / 200
+    if spread:  # the cap is (1 + share_slack) / 4 = 0.3 of an EWMA that starts at 0
+        assert len(counts) >= 3 and busiest <= 0.4, counts
+    else:
+        assert busiest > 0.9, counts
+
+
+def test_kv_events_move_and_remove_what_the_index_believes() -> None:
+    policy, d = make()
+    assert policy.wants_cache_events is False
+    v = view(ev(0), ev(1), ev(2))
+    policy.on_cache_event("e2", DOC, ())  # e2 prefilled the document for another replica
+    first = d.route(req("a", (*DOC, 1)), v, 60.0)  # its prefill long done
+    assert (first.engine, first.expected_hit_tokens) == ("e2", len(DOC) * BS)
+    d.finished(req("a", (*DOC, 1)), "e2", 1.5, True)
+    policy.on_cache_event("e2", (), DOC)  # evicted
+    policy.on_cache_reset("e2")
+    again = d.route(req("b", (*DOC, 2)), v, 2.0)
+    assert again.expected_hit_tokens == 0
+
+
+def test_kv_events_are_requested_when_the_driver_has_them() -> None:
+    policy = create_policy("predicted_ttft", PolicyContext(seed=1, perf=PERF, kv_events=True))
+    assert policy.wants_cache_events is True
+
+
+def test_an_engine_removed_is_forgotten() -> None:
+    policy, d = make()
+    warm(d, req("w", DOC), "e0", 2)
+    d.route(req("r", (*DOC, 3)), view(ev(0), ev(1, healthy=False)), 1.0)
+    policy.on_engine_removed("e0")
+    assert policy.flight.requests("e0") == 0
+    assert "e0" not in policy._share and "e0" not in policy.routed_work
+    assert policy.index.match(DOC) == {}
+
+
+@pytest.mark.parametrize(
+    "bad", [{"work_weight": -1}, {"max_utilisation": 1.0}, {"share_window": 0}]
+)
+def test_bad_options_are_refused(bad: dict[str, object]) -> None:
+    with pytest.raises(ConfigError, match="predicted_ttft"):
+        create_policy("predicted_ttft", PolicyContext(seed=1, perf=PERF), bad)
