@@ -94,8 +94,13 @@ class PDConfig(_Strict):
     )
 
 
+DEFAULT_POLICY = "predicted_ttft"
+"""The policy of ``kvgate serve``, ``kvgate demo`` and the simulator when none is named: the
+winner of ``python benchmarks/evaluate.py suite`` (docs/evaluation.md#suite)."""
+
+
 class PolicyConfig(_Strict):
-    name: str = "cache_aware"
+    name: str = DEFAULT_POLICY
     options: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 
+from gateway.config import DEFAULT_POLICY
 from gateway.core.errors import ConfigError, KvgateError
 from gateway.policies.registry import POLICIES, create_policy
 
@@ -26,7 +27,7 @@ def register(sub: Any) -> None:
         ),
     )
     p.add_argument("--engines", type=int, default=3, metavar="N", help="emulated engines (3)")
-    p.add_argument("--policy", default="cache_aware", help=f"one of {', '.join(POLICIES)}")
+    p.add_argument("--policy", default=DEFAULT_POLICY, help=f"one of {', '.join(POLICIES)}")
     p.add_argument("--port", type=int, default=8000, help="gateway port (8000)")
     p.add_argument("--model", default="kvgate-demo", help="served model name")
     p.add_argument("--preset", default="llama3-8b-h100", help="engine performance preset")

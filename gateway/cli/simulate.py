@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gateway.config import DEFAULT_POLICY
 from gateway.core.errors import ConfigError
 from gateway.perfmodel.presets import DEFAULT_PRESET, load_preset
 from gateway.policies.registry import POLICIES, create_policy
@@ -19,7 +20,12 @@ from gateway.sim.report import render_console, write_report, write_results
 from gateway.sim.runner import SimulateOptions, simulate
 from gateway.sim.workloads import Workload, WorkloadOptions, builtin_slo_classes, load_workload
 
-DEFAULT_POLICIES = "round_robin,least_loaded,power_of_two,cache_aware,weighted_scorer"
+DEFAULT_POLICIES = ",".join(
+    dict.fromkeys(
+        (DEFAULT_POLICY, "round_robin", "least_loaded", "power_of_two", "cache_aware", "kv_cost")
+    )
+)
+"""The default policy first, then the baselines it is measured against."""
 
 
 def register(sub: Any) -> None:
