@@ -15,11 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
 from gateway.cli import build_parser, emulate, load, serve
+from gateway.config import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -126,7 +128,8 @@ def test_profiles_hold_the_expected_services() -> None:
         for profile in profiles(service):
             by_profile.setdefault(profile, set()).add(name)
     assert by_profile == {
-        "": {"gateway", "engine-1", "engine-2", "engine-3", "prometheus", "grafana"},
+        "": {"gateway", "engine-1", "engine-2", "engine-3", "prometheus", "grafana", "nats"},
+        "replicas": {"gateway-2", "haproxy"},
         "load": {"load"},
         "vllm": {"vllm-1", "vllm-2", "vllm-gateway", "vllm-prefill", "vllm-decode"}
         | {"vllm-pd-gateway"},
@@ -200,29 +203,107 @@ def test_every_kvgate_command_parses_with_kvgate_itself() -> None:
             assert args.url == "http://gateway:8000", name
 
 
+def gateway_services() -> dict[str, dict[str, Any]]:
+    return {n: s for n, s in kvgate_services().items() if image_command(n, s)[0] == "serve"}
+
+
+def gateway_settings(name: str, service: dict[str, Any]) -> Settings:
+    """The settings ``kvgate serve`` builds in the container from the file compose mounts."""
+    args = build_parser().parse_args(image_command(name, service))
+    assert args.config == CONFIG_IN_IMAGE and args.host == "0.0.0.0", name
+    args.config = str(bind_mounts(service)[CONFIG_IN_IMAGE])
+    assert args.config.startswith(str(ROOT / "deploy" / "compose")), name
+    return serve.settings_from_args(args)  # the same checks as kvgate serve
+
+
+def nats_service(url: str | None) -> str | None:
+    """The compose service a ``replica_sync.nats_url`` names (None: sync off)."""
+    if url is None:
+        return None
+    parsed = urlsplit(url)
+    service = services().get(parsed.hostname or "")
+    assert service is not None, f"{url}: no compose service {parsed.hostname!r}"
+    assert parsed.scheme == "nats" and service["image"].startswith("nats:"), url
+    assert f"--port {parsed.port}" in " ".join(service["command"]), (url, service["command"])
+    return parsed.hostname
+
+
+def test_gateway_replicas_share_load_over_the_compose_nats_service() -> None:
+    """Every gateway that syncs load names a NATS service of this file, by the port it
+    listens on, and starts after it; the default stack's two replicas do, with one file."""
+    all_services = services()
+    syncing = {}
+    for name, service in gateway_services().items():
+        host = nats_service(gateway_settings(name, service).replica_sync.nats_url)
+        if host is not None:
+            syncing[name] = host
+            assert service["depends_on"].get(host) == {"condition": "service_healthy"}, name
+            assert "" in profiles(all_services[host]), host  # up whenever a gateway is
+    assert syncing == {"gateway": "nats", "gateway-2": "nats"}
+    mounts = {n: bind_mounts(all_services[n])[CONFIG_IN_IMAGE] for n in syncing}
+    assert len(set(mounts.values())) == 1, mounts  # settings that must match do
+    health = " ".join(all_services["nats"]["healthcheck"]["test"])
+    port = re.search(r"--http_port (\d+)", " ".join(all_services["nats"]["command"]))
+    assert port and f"127.0.0.1:{port.group(1)}/healthz" in health
+
+
+def haproxy_cfg() -> Path:
+    return bind_mounts(services()["haproxy"])["/usr/local/etc/haproxy/haproxy.cfg"]
+
+
+def test_haproxy_balances_the_gateway_replicas() -> None:
+    """Round robin over every gateway replica of the profile, /ready checks, the retries
+    docs/deployment.md shows; Debian's haproxy (the replica tier's) accepts the file."""
+    all_services = services()
+    haproxy = all_services["haproxy"]
+    text = haproxy_cfg().read_text(encoding="utf-8")
+    servers = dict(re.findall(r"^\s+server (\S+) (\S+) check\b", text, re.MULTILINE))
+    gateways = {
+        n for n, s in gateway_services().items() if n == "gateway" or "replicas" in profiles(s)
+    }
+    assert servers == {n: f"{n}:8000" for n in gateways} and len(gateways) == 2, servers
+    assert set(haproxy["depends_on"]) == gateways
+    for line in ("balance roundrobin", "option httpchk GET /ready", "option redispatch 1"):
+        assert line in text, line
+    assert "retry-on conn-failure" in text and "bind :8000" in text
+    assert haproxy["ports"] == ["8080:8000"]
+    health = re.search(r"bind :(\d+)\s+monitor-uri (\S+)", text)
+    assert health and f"127.0.0.1:{health.group(1)}{health.group(2)}" in " ".join(
+        haproxy["healthcheck"]["test"]
+    )
+    binary = shutil.which("haproxy") or "/usr/sbin/haproxy"
+    if not Path(binary).exists():
+        pytest.skip("haproxy is not installed (scripts/setup_replicas.sh)")
+    check = subprocess.run(
+        [binary, "-c", "-f", str(haproxy_cfg())], capture_output=True, text=True, timeout=30
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
 def test_gateway_configs_load_and_name_compose_services() -> None:
     all_services = services()
-    gateways = {n: s for n, s in kvgate_services().items() if image_command(n, s)[0] == "serve"}
-    assert set(gateways) == {"gateway", "vllm-gateway", "vllm-pd-gateway"}
+    gateways = gateway_services()
+    assert set(gateways) == {"gateway", "gateway-2", "vllm-gateway", "vllm-pd-gateway"}
     for name, service in gateways.items():
-        args = build_parser().parse_args(image_command(name, service))
-        assert args.config == CONFIG_IN_IMAGE and args.host == "0.0.0.0", name
-        args.config = str(bind_mounts(service)[CONFIG_IN_IMAGE])  # the file compose mounts
-        assert args.config.startswith(str(ROOT / "deploy" / "compose")), name
-        settings = serve.settings_from_args(args)  # the same checks as kvgate serve
+        settings = gateway_settings(name, service)
         published = {"gateway": "8000", "vllm-gateway": "8100", "vllm-pd-gateway": "8200"}
-        assert service["ports"] == [f"{published[name]}:8000"], name
+        if name in published:  # gateway-2 is reached through haproxy only
+            assert service["ports"] == [f"{published[name]}:8000"], name
+        else:
+            assert "ports" not in service, name
         assert settings.port == 8000, name
         engines = {}
         for engine in settings.engines:
             match = re.fullmatch(r"http://([a-z0-9-]+):8000", engine.url)
             assert match and match.group(1) in all_services, f"{name}: {engine.url}"
             engines[match.group(1)] = engine.role
-        assert set(engines) == set(service["depends_on"]), name
+        sync = {nats_service(settings.replica_sync.nats_url)} - {None}
+        assert set(engines) == set(service["depends_on"]) - sync, name
         for engine_name, role in engines.items():
             argv = " ".join(all_services[engine_name].get("command", []))
             assert ("NixlConnector" in argv) == (role != "both"), (name, engine_name)
-            assert profiles(all_services[engine_name]) == profiles(service), engine_name
+            engine_profiles = profiles(all_services[engine_name])  # up whenever the gateway is
+            assert "" in engine_profiles or profiles(service) <= engine_profiles, engine_name
 
 
 def test_default_gateway_engines_are_the_emulators_prometheus_scrapes() -> None:
