@@ -141,6 +141,14 @@ class PredictedTtftPolicy(PolicyBase):
         self._observed = 0.0  # this decision's busy share, folded into _busy when routed
 
     # -- prediction ---------------------------------------------------------------
+    def _duty(self, engine: EngineView, now: float) -> float:
+        """``engine``'s recent prefill duty cycle; 0 while it is idle (nothing running, queued
+        or in flight): the prefill it did is over, and a request sent to an idle engine
+        decodes alone until others follow it (sequential clients keep their hits)."""
+        if not (engine.num_running or engine.in_flight or queued_tokens(engine)):
+            return 0.0
+        return self.routed_work.duty(engine.id, now)
+
     def predict(self, req: RequestInfo, view: ClusterView, now: float = 0.0) -> list[Prediction]:
         """Every healthy engine's predicted TTFT, prefill work and cost for ``req``."""
         cfg = self.config
@@ -159,7 +167,7 @@ class PredictedTtftPolicy(PolicyBase):
                     self.perf,
                     e,
                     req.prompt_tokens,
-                    duty=self.routed_work.duty(e.id, now),
+                    duty=self._duty(e, now),
                     ctx_tokens=ctx,
                 )
                 if cfg.decode_aware

@@ -65,6 +65,15 @@ def test_a_hit_wins_until_its_queue_costs_more_than_the_prefill_elsewhere(
     assert (decision.expected_hit_tokens > 0) == (expected == "e0")
 
 
+def test_a_sequential_client_keeps_its_hit_right_after_a_prefill() -> None:
+    """An idle engine's past prefill is over: it does not count as a duty cycle slowing the
+    next request's decode there, so a client sending one request after another keeps its hit
+    (with the 8,000-token prefill counted, its predicted TPOT sends it elsewhere)."""
+    _, d = make()
+    warm(d, req("w", DOC), "e0", 2)  # routed at 0.0, done by 0.1
+    assert d.route(req("q", (*DOC, 7)), view(ev(0), ev(1)), 1.0).engine == "e0"
+
+
 def test_an_idle_cluster_spreads_unique_prompts_evenly() -> None:
     """The turn rotation among near-equal engines, the share penalty and the routed prefill
     work (duty cycle) each spread them; any one of them suffices."""
