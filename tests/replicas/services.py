@@ -77,20 +77,21 @@ def start_nats(logdir: Path, port: int | None = None) -> Service:
 HAPROXY_CFG = """\
 global
     maxconn 2000
-defaults
+{global_log}defaults
     mode http
-    timeout connect 2s
+{defaults_log}    timeout connect 2s
     timeout client 60s
     timeout server 60s
     retries 3
     option redispatch 1
     retry-on conn-failure empty-response junk-response response-timeout
+    option http-buffer-request
 frontend gw
     bind 127.0.0.1:{port}
     default_backend replicas
 backend replicas
     balance roundrobin
-    option httpchk GET /ready
+    option httpchk GET {check_path}
     http-response set-header X-Kvgate-Replica %[srv_name]
     default-server inter 200ms fall 2 rise 2
 {servers}
@@ -101,20 +102,44 @@ listen stats
 """
 
 
-def haproxy_config(port: int, stats: int, replicas: list[str]) -> str:
+# What the retries cover (HAProxy 2.6, Debian 12): a refused connection (a replica that is
+# gone) is retried on another replica (`option redispatch 1`: every retry redispatches). An
+# empty, junk or timed-out response is retried only with the request still buffered, hence
+# `option http-buffer-request` (the whole body is read before the server is picked). Not
+# retried: a reset after the request was sent (a read error, HAProxy issue #2061), which is
+# what a request gets that reached a SIGKILLed replica's listening socket while the kernel
+# was still tearing the process down; the client sees a 502 (docs/deployment.md).
+
+
+def haproxy_config(
+    port: int, stats: int, replicas: list[str], *, log: bool = True, check_path: str = "/ready"
+) -> str:
+    """``log``: one line per request on HAProxy's stdout (its log file: termination states,
+    retries); off for benchmarks."""
     servers = "\n".join(
         f"    server r{i} {url.removeprefix('http://')} check" for i, url in enumerate(replicas)
     )
-    return HAPROXY_CFG.format(port=port, stats=stats, servers=servers)
+    return HAPROXY_CFG.format(
+        port=port,
+        stats=stats,
+        servers=servers,
+        check_path=check_path,
+        global_log="    log stdout format raw local0 info\n" if log else "",
+        defaults_log="    log global\n    option httplog\n" if log else "",
+    )
 
 
-def start_haproxy(logdir: Path, replicas: list[str]) -> Service:
+def start_haproxy(
+    logdir: Path, replicas: list[str], *, log: bool = True, check_path: str = "/ready"
+) -> Service:
+    """HAProxy (round robin, health checks on ``check_path``) in front of ``replicas``;
+    ``log=False`` drops the per-request log (benchmarks)."""
     exe = binary("haproxy")
     if exe is None:
         raise RuntimeError("haproxy not found (scripts/setup_replicas.sh installs it)")
     port, stats = free_port(), free_port()
     cfg = logdir / f"haproxy-{port}.cfg"
-    cfg.write_text(haproxy_config(port, stats, replicas))
+    cfg.write_text(haproxy_config(port, stats, replicas, log=log, check_path=check_path))
     check = subprocess.run([exe, "-c", "-f", str(cfg)], capture_output=True, text=True)
     if check.returncode != 0:
         raise RuntimeError(f"bad haproxy config:\n{check.stdout}{check.stderr}")
@@ -127,12 +152,26 @@ def start_haproxy(logdir: Path, replicas: list[str]) -> Service:
     return svc
 
 
-def haproxy_up(svc: Service) -> dict[str, str]:
-    """Server name -> status (UP/DOWN/...) from HAProxy's CSV stats."""
+def haproxy_stats(svc: Service) -> dict[str, dict[str, str]]:
+    """Server name -> its row of HAProxy's CSV stats (columns by their header names)."""
     text = httpx.get(f"http://127.0.0.1:{svc.stats_port}/stats;csv", timeout=5).text  # type: ignore[attr-defined]
+    lines = text.splitlines()
+    header = lines[0].removeprefix("# ").split(",")
     out = {}
-    for line in text.splitlines():
-        cols = line.split(",")
-        if len(cols) > 17 and cols[0] == "replicas" and cols[1] not in ("BACKEND", "FRONTEND"):
-            out[cols[1]] = cols[17]
+    for line in lines[1:]:
+        row = dict(zip(header, line.split(","), strict=False))
+        if row.get("pxname") == "replicas" and row.get("svname") not in ("BACKEND", "FRONTEND"):
+            out[row["svname"]] = row
     return out
+
+
+def haproxy_up(svc: Service) -> dict[str, str]:
+    """Server name -> status (UP/DOWN/...)."""
+    return {name: row["status"] for name, row in haproxy_stats(svc).items()}
+
+
+def haproxy_server_counters(svc: Service, server: str) -> dict[str, int]:
+    """A server's connection errors (``econ``), retries (``wretr``) and redispatches away
+    from it (``wredis``)."""
+    row = haproxy_stats(svc)[server]
+    return {k: int(row[k] or 0) for k in ("econ", "wretr", "wredis")}

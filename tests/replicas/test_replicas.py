@@ -22,6 +22,7 @@ import pytest
 from openai import APIConnectionError, APIError, AsyncOpenAI
 
 from tests.replicas.conftest import MODEL, REPLICAS, Tier
+from tests.replicas.services import haproxy_server_counters
 
 pytestmark = pytest.mark.replicas
 
@@ -139,15 +140,18 @@ def test_three_replicas_reuse_the_cache_as_one_does(tier: Tier) -> None:
 
 
 @pytest.mark.xfail(
-    reason="missed target (docs/deployment.md#what-a-second-replica-costs): a replica learns "
-    "another's placement only when the engine has prefilled it (KV events) and cache_aware "
-    "ranks engines by prefix-tree size before load, so first requests of documents placed "
-    "by different replicas within one prefill time can land on the same engine",
+    reason="target met in 5 of 6 runs, missed in 1 (docs/deployment.md#what-a-second-replica-"
+    "costs): the 8 first questions of a wave are routed within ~0.1 s, while a replica learns "
+    "another's placement from KV events only after the engine prefilled it and its load from "
+    "the NATS sync a round later, so two documents can still land on one engine",
     strict=False,
 )
 def test_three_replicas_balance_as_one_does(tier: Tier) -> None:
+    """The replicas price engines alike with the default policy (predicted_ttft): prefix index
+    and prefill duty cycle from the engines' KV events, load from the views and the NATS sync.
+    (cache_aware, the default before, ranks engines by prefix-tree size before load.)"""
     one, three = RUNS["one"], RUNS["three"]
-    assert three.busiest_share <= 1.1 * one.busiest_share
+    assert three.busiest_share <= 1.1 * one.busiest_share, (one.busiest_share, three.busiest_share)
 
 
 async def stream(oa: AsyncOpenAI, n: int, tokens: int, started: asyncio.Event) -> tuple[str, str]:
@@ -174,16 +178,43 @@ async def stream(oa: AsyncOpenAI, n: int, tokens: int, started: asyncio.Event) -
         return replica, type(exc).__name__
 
 
+@dataclass
+class Disruption:
+    streams: list[tuple[str, str]]
+    """(replica, outcome) of each long stream."""
+    during: list[str]
+    """Outcome of each new request sent after the signal (once the victim is gone, with
+    ``until_dead``)."""
+    dead_after_s: float | None = None
+    """SIGKILL to the victim reaped (its sockets closed), with ``until_dead``."""
+
+
 async def streams_through(
-    tier: Tier, victim: int, sig: int, *, count: int = 9, tokens: int = 600
-) -> tuple[list[tuple[str, str]], list[str]]:
+    tier: Tier,
+    victim: int,
+    sig: int,
+    *,
+    until_dead: bool = False,
+    count: int = 9,
+    tokens: int = 600,
+) -> Disruption:
     """``count`` streams through HAProxy; ``sig`` to replica ``victim`` once they flow, and
-    short requests meanwhile. Everything must end within 60 s (nothing hangs)."""
+    short requests meanwhile (with ``until_dead``, once the victim has exited). Everything
+    must end within 60 s (nothing hangs)."""
     oa = client(tier.url)
     started = [asyncio.Event() for _ in range(count)]
     tasks = [asyncio.create_task(stream(oa, n, tokens, started[n])) for n in range(count)]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
+    t0 = time.monotonic()
     tier.signal(victim, sig)
+    dead_after_s = None
+    if until_dead:
+        # Until the kernel has torn the process down (milliseconds), its listening socket
+        # still completes handshakes: a request HAProxy sends then is reset unanswered, a read
+        # error HAProxy 2.6 does not retry (docs/deployment.md#several-replicas). Such a
+        # request was held by the victim; the requests below are sent once it is gone.
+        await asyncio.to_thread(tier.replicas[victim].popen.wait, 10)
+        dead_after_s = time.monotonic() - t0
     during: list[str] = []
     for d in range(6):  # new requests while the replica drains or is gone
         try:
@@ -193,12 +224,13 @@ async def streams_through(
             during.append(f"{type(exc).__name__}:{getattr(exc, 'status_code', '')}:{exc}")
     results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
     await oa.close()
-    return results, during
+    return Disruption(results, during, dead_after_s)
 
 
 def test_a_sigtermed_replica_drains_its_streams(tier: Tier) -> None:
     victim = 1
-    results, during = asyncio.run(streams_through(tier, victim, signal.SIGTERM))
+    run = asyncio.run(streams_through(tier, victim, signal.SIGTERM))
+    results, during = run.streams, run.during
     held = [o for r, o in results if r == f"r{victim}"]
     print(f"\nSIGTERM: {len(held)} of {len(results)} streams on the draining replica; {results}")
     assert held, "no stream went through the victim"
@@ -224,13 +256,24 @@ def test_a_sigkilled_replica_loses_only_its_streams_and_a_restart_rebuilds_state
         return list(out)
 
     placed = {a.doc: a.engine for a in asyncio.run(place())}
-    results, during = asyncio.run(streams_through(tier, victim, signal.SIGKILL))
+    before = haproxy_server_counters(tier.haproxy, f"r{victim}")
+    run = asyncio.run(streams_through(tier, victim, signal.SIGKILL, until_dead=True))
+    after = haproxy_server_counters(tier.haproxy, f"r{victim}")
+    results, during = run.streams, run.during
     lost = [o for r, o in results if r == f"r{victim}"]
     kept = [o for r, o in results if r != f"r{victim}"]
-    print(f"\nSIGKILL: lost {len(lost)} (all on the killed replica), kept {len(kept)}: {results}")
+    moved = {k: after[k] - before[k] for k in ("econ", "wretr", "wredis")}
+    print(
+        f"\nSIGKILL: lost {len(lost)} (all on the killed replica), kept {len(kept)}: {results}; "
+        f"dead after {run.dead_after_s * 1000:.1f} ms; new requests {during}, "
+        f"HAProxy on the dead replica: {moved}"
+    )
     assert lost and all(o != "ok" for o in lost), results  # clean client-side errors
     assert kept and all(o == "ok" for o in kept), results
     assert all(o == "ok" for o in during), during
+    # ... and some of them were sent to the dead replica first (it was still UP in HAProxy's
+    # checks) and retried on another one: the retry is what this checks, not luck
+    assert moved["wredis"] >= 1, moved
     assert tier.replicas[victim].popen.wait(timeout=5) == -signal.SIGKILL
 
     t0 = time.monotonic()
