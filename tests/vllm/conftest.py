@@ -255,8 +255,25 @@ class Gateway:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
 
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited:\n{self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"gateway not ready:\n{self.log.read_text()[-3000:]}")
 
-def start_gateway(logdir: Path, args: list[str], env: dict[str, str] | None = None) -> Gateway:
+
+def start_gateway(
+    logdir: Path, args: list[str], env: dict[str, str] | None = None, *, wait: bool = True
+) -> Gateway:
+    """``kvgate serve`` on a free port; returns once ``/ready`` (``wait=False``: at once,
+    then ``Gateway.wait_ready``)."""
     port = free_port()
     log = logdir / f"gateway-{port}.log"
     with log.open("wb") as fh:
@@ -268,14 +285,10 @@ def start_gateway(logdir: Path, args: list[str], env: dict[str, str] | None = No
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
     gw = Gateway(f"http://127.0.0.1:{port}", proc, log)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"gateway exited:\n{log.read_text()[-3000:]}")
+    if wait:
         try:
-            if httpx.get(gw.url + "/ready", timeout=2).status_code == 200:
-                return gw
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"gateway not ready:\n{log.read_text()[-3000:]}")
+            gw.wait_ready()
+        except RuntimeError:
+            gw.stop()
+            raise
+    return gw
