@@ -49,7 +49,7 @@ Memory: the index holds at most ``2**22`` blocks (each engine's part at most
 its KV capacity, ``index_blocks`` to override); the in-flight context at most
 ``2**20`` requests; the rest is one small record per engine.
 
-Knobs (defaults): ``work_weight=2``, ``decode_aware=true``,
+Knobs (defaults): ``work_weight=4``, ``decode_aware=true``,
 ``decode_in_cost=true``, ``tpot_headroom=1``, ``duty_window_s=10``,
 ``decode_weight=0`` (an extra ``u x prefill x running/mean running`` term),
 ``share_slack=0.2``, ``share_weight=10``, ``share_window=32``,
@@ -78,7 +78,7 @@ _MAX_INDEX_BLOCKS = 1 << 22
 
 @dataclass(frozen=True, slots=True)
 class PredictedTtftConfig:
-    work_weight: float = 2.0
+    work_weight: float = 4.0
     decode_aware: bool = True
     decode_in_cost: bool = True
     tpot_headroom: float = 1.0
