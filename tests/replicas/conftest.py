@@ -25,7 +25,7 @@ import pytest
 
 from gateway.cli.demo import free_port
 from tests.e2e.procs import MODEL, Proc, start_emulator, wait_for
-from tests.replicas.services import Service, binary, start_haproxy, start_nats
+from tests.replicas.services import Service, binary, replica_env, start_haproxy, start_nats
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINES = 4
@@ -46,15 +46,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.replicas)
 
 
-def replica_env(nats: str) -> dict[str, str]:
-    """The settings every replica shares (docs/deployment.md#several-replicas)."""
-    return {
-        "KVGATE_KV_EVENTS": "true",
-        "KVGATE_KEYING": "tokens",
-        "KVGATE_REPLICA_SYNC__NATS_URL": nats,
-        "KVGATE_SHUTDOWN_GRACE_S": "20",
-        "KVGATE_LOG_REQUESTS": "false",
-    }
+def tier_env(nats: str) -> dict[str, str]:
+    """The shared replica settings, and a 20 s drain for the SIGTERM case."""
+    return {**replica_env(nats), "KVGATE_SHUTDOWN_GRACE_S": "20"}
 
 
 def start_replica(
@@ -63,7 +57,7 @@ def start_replica(
     args = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
     for url in engines:
         args += ["--engine", url]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **replica_env(nats)}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **tier_env(nats)}
     env.pop("KVGATE_PORT", None)
     log = logdir / f"{name}.log"
     with log.open("ab") as fh:

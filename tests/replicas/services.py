@@ -74,6 +74,17 @@ def start_nats(logdir: Path, port: int | None = None) -> Service:
     return Service("nats", port, proc, log)
 
 
+def replica_env(nats_url: str) -> dict[str, str]:
+    """The settings every replica shares (docs/deployment.md#several-replicas): KV events,
+    token keys, NATS load sync; the policy is the default."""
+    return {
+        "KVGATE_KV_EVENTS": "true",
+        "KVGATE_KEYING": "tokens",
+        "KVGATE_REPLICA_SYNC__NATS_URL": nats_url,
+        "KVGATE_LOG_REQUESTS": "false",
+    }
+
+
 HAPROXY_CFG = """\
 global
     maxconn 2000

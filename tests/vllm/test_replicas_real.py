@@ -25,7 +25,14 @@ from conftest import MODEL, Engine, Fleet, Gateway, start_gateway
 from fidelity_lib import WORDS
 from openai import OpenAI
 
-from tests.replicas.services import Service, binary, haproxy_up, start_haproxy, start_nats
+from tests.replicas.services import (
+    Service,
+    binary,
+    haproxy_up,
+    replica_env,
+    start_haproxy,
+    start_nats,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -33,16 +40,6 @@ REPLICAS = 3
 DOCS = 4  # not a multiple of REPLICAS: round robin moves each document to a new replica
 QUESTIONS = 3
 DOC_WORDS = 900  # ~1 token each with the tiny model's tokenizer
-
-
-def replica_env(nats_url: str) -> dict[str, str]:
-    """What every replica shares (docs/deployment.md#several-replicas); policy: the default."""
-    return {
-        "KVGATE_KV_EVENTS": "true",
-        "KVGATE_KEYING": "tokens",
-        "KVGATE_REPLICA_SYNC__NATS_URL": nats_url,
-        "KVGATE_LOG_REQUESTS": "false",
-    }
 
 
 @dataclass
