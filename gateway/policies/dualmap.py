@@ -360,9 +360,8 @@ class DualMapPolicy(PolicyBase):
         if self.config.adaptive and depth:
             self.hotness.observe(self.key_units(req), depth)
         self.flight.add(req.id, decision.engine, req.prompt_tokens)
-        hit = min(decision.expected_hit_tokens, req.prompt_tokens)
-        self.routed_work.add(
-            decision.engine, self.perf.prefill_time(req.prompt_tokens - hit, hit), now
+        self.routed_work.add_prefill(
+            self.perf, decision.engine, req.prompt_tokens, decision.expected_hit_tokens, now
         )
 
     def on_finished(self, req: RequestInfo, engine: EngineId, now: float, ok: bool) -> None:

@@ -95,6 +95,13 @@ class RoutedWork:
     def add(self, engine: EngineId, seconds: float, now: float) -> None:
         self._work[engine] = (self._at(engine, now) + seconds, now)
 
+    def add_prefill(
+        self, perf: PerfModel, engine: EngineId, prompt_tokens: int, hit_tokens: int, now: float
+    ) -> None:
+        """Count the prefill of a prompt routed to ``engine`` with ``hit_tokens`` cached there."""
+        hit = max(0, min(hit_tokens, prompt_tokens))
+        self.add(engine, perf.prefill_time(prompt_tokens - hit, hit), now)
+
     def duty(self, engine: EngineId, now: float) -> float:
         """The share of recent time ``engine`` spent on prefill the router sent it."""
         return self._at(engine, now) / self.window_s

@@ -134,7 +134,6 @@ class PredictedTtftPolicy(PolicyBase):
         self.routed_work = RoutedWork(self.config.duty_window_s)
         self._block_size = ctx.block_size
         self._clock = 0.0  # the latest time a decision or routing was made at
-        self._last_work = 0.0  # this decision's prefill seconds on the chosen engine
         self.flight = InFlightContext()
         self._engines = 1
         self._busy = 0.0
@@ -223,7 +222,6 @@ class PredictedTtftPolicy(PolicyBase):
                 (order[p.engine.id] - self._turn) % n,
             ),
         )
-        self._last_work = pick.work_s
         return Decision(
             engine=pick.engine.id,
             expected_hit_tokens=pick.hit_tokens,
@@ -238,7 +236,9 @@ class PredictedTtftPolicy(PolicyBase):
         self._turn += 1
         self._busy += (self._observed - self._busy) / self.config.busy_window
         if not self.wants_cache_events:  # with KV events the engines' stored blocks count
-            self.routed_work.add(decision.engine, self._last_work, now)
+            self.routed_work.add_prefill(
+                self.perf, decision.engine, req.prompt_tokens, decision.expected_hit_tokens, now
+            )
         self.flight.add(req.id, decision.engine, req.prompt_tokens)
         n = max(1, self._engines)
         alpha = 1.0 / (self.config.share_window * n)
