@@ -46,6 +46,8 @@ class EngineRequest:
     next_block: int = 0
     est_uncached: int = 0
     prefill_pending: int = 0
+    pending_blocks: int = 0
+    """Leading prompt blocks this request counts in the engine's pending prefix set."""
     hit_ratio: float = 0.0
     preemptions: int = 0
     aborted: bool = False
@@ -144,6 +146,10 @@ class EngineCore:
         self._plan: _Plan | None = None
         self._waiting_pending = 0
         self._running_pending = 0
+        self._pending_prefix: dict[int, int] = {}
+        """Prompt blocks of the requests queued or still prefilling, with a count each: a
+        request queued behind another with the same prefix will hit it, so its pending
+        prefill leaves that prefix out (at most the queued requests' blocks)."""
         self._by_id: dict[str, EngineRequest] = {}
         self._last_end = -math.inf
         """End of the last step: an engine idle since long enough wakes slowly."""
@@ -168,8 +174,14 @@ class EngineCore:
 
     @property
     def pending_prefill_tokens(self) -> int:
-        """Uncached prompt tokens queued or still being prefilled."""
+        """Uncached prompt tokens queued or still being prefilled; a prefix that a request
+        ahead in the queue will have computed counts once."""
         return self._waiting_pending + self._running_pending
+
+    @property
+    def pending_prefix_blocks(self) -> int:
+        """Distinct prompt blocks of the queued and prefilling requests (the set above)."""
+        return len(self._pending_prefix)
 
     @property
     def kv_usage(self) -> float:
@@ -200,10 +212,12 @@ class EngineCore:
             raise ValueError(f"request {req.id} is already in engine {self.id}")
         bs = self.model.block_size
         limit = min(len(req.block_hashes), (req.prompt_tokens - 1) // bs)
-        hit = max(self.pool.match(req.block_hashes, limit), self._remote_blocks(req, limit)) * bs
-        req.hit_ratio = hit / req.prompt_tokens
-        req.est_uncached = req.prompt_tokens - hit
+        ahead = self.pool.match(req.block_hashes, limit, also=self._pending_prefix)
+        hit = max(ahead, self._remote_blocks(req, limit))
+        req.hit_ratio = hit * bs / req.prompt_tokens
+        req.est_uncached = req.prompt_tokens - hit * bs
         self._waiting_pending += req.est_uncached
+        self._add_pending_prefix(req, limit)
         self._by_id[req.id] = req
         self.waiting.push(req)
 
@@ -215,6 +229,7 @@ class EngineCore:
         req.aborted = True
         if self.waiting.remove(req):
             self._waiting_pending -= req.est_uncached
+            self._drop_pending_prefix(req)
             del self._by_id[req.id]
             return True
         if self._plan is None and req in self.running:
@@ -286,6 +301,8 @@ class EngineCore:
                 done = min(n, req.prefill_pending)
                 req.prefill_pending -= done
                 self._running_pending -= done
+                if not req.prefill_pending and req.pending_blocks:
+                    self._drop_pending_prefix(req)  # its blocks are in the prefix cache now
                 req.num_computed += n
                 # register newly completed prompt blocks in the prefix cache
                 limit = min(len(req.block_hashes), req.num_computed // bs)
@@ -454,6 +471,22 @@ class EngineCore:
             return 0
         return min(limit, min(req.remote_tokens, req.prompt_tokens - 1) // self.model.block_size)
 
+    def _add_pending_prefix(self, req: EngineRequest, limit: int) -> None:
+        pending = self._pending_prefix
+        for h in req.block_hashes[:limit]:
+            pending[h] = pending.get(h, 0) + 1
+        req.pending_blocks = limit
+
+    def _drop_pending_prefix(self, req: EngineRequest) -> None:
+        pending = self._pending_prefix
+        for h in req.block_hashes[: req.pending_blocks]:
+            count = pending[h] - 1
+            if count:
+                pending[h] = count
+            else:
+                del pending[h]
+        req.pending_blocks = 0
+
     def _preempt(self, req: EngineRequest) -> None:
         self.running.remove(req)
         self._running_pending -= req.prefill_pending
@@ -471,6 +504,7 @@ class EngineCore:
 
     def _drop_running(self, req: EngineRequest) -> None:
         self.running.remove(req)
+        self._drop_pending_prefix(req)
         self._running_pending -= req.prefill_pending
         req.prefill_pending = 0
         self.pool.release(req.held, req.anon)

@@ -17,7 +17,7 @@ Only counts and hashes are tracked, never token contents. The pool records
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 
 class BlockPool:
@@ -69,13 +69,15 @@ class BlockPool:
     def contains(self, block_hash: int) -> bool:
         return block_hash in self._ref or block_hash in self._evictable
 
-    def match(self, hashes: Sequence[int], limit: int | None = None) -> int:
-        """How many leading ``hashes`` are cached (at most ``limit``)."""
+    def match(
+        self, hashes: Sequence[int], limit: int | None = None, also: Container[int] = ()
+    ) -> int:
+        """How many leading ``hashes`` are cached, or in ``also`` (at most ``limit``)."""
         ref, ev = self._ref, self._evictable
         n = len(hashes) if limit is None else min(limit, len(hashes))
         for i in range(n):
             h = hashes[i]
-            if h not in ref and h not in ev:
+            if h not in ref and h not in ev and h not in also:
                 return i
         return n
 

@@ -228,6 +228,7 @@ def check_completed(
     model: PerfModel, engine: EngineCore, reqs: list[EngineRequest], trace: Trace
 ) -> None:
     bs = model.block_size
+    assert engine.pending_prefix_blocks == 0  # every request's blocks left the pending set
     for r in reqs:
         assert trace.finished.get(r.id) == 1, r.id
         assert trace.first.get(r.id) == 1, r.id
@@ -482,6 +483,7 @@ def test_aborts_free_blocks(w: tuple[PerfModel, list[Spec]], seed: int) -> None:
     engine, reqs, trace = run(model, specs, aborts=aborts)
     assert engine.pool.used == 0
     assert not engine.has_work
+    assert engine.pending_prefix_blocks == 0
     if engine.preemptions == 0:
         assert engine.pending_prefill_tokens == 0
     for r in reqs:
@@ -494,11 +496,38 @@ def test_aborts_free_blocks(w: tuple[PerfModel, list[Spec]], seed: int) -> None:
         assert engine.abort(r.id) is False  # gone from the engine
 
 
+def test_pending_prefill_counts_a_prefix_queued_ahead_once() -> None:
+    """A request queued behind another with the same prefix will hit it: its pending prefill
+    is its own tail, and the prefix leaves the pending set once it is computed."""
+    model = make_model(max_num_seqs=1)
+    engine = EngineCore("e0", model)
+    doc = list(range(40))
+    a = EngineRequest("a", 44, hashes_from_tokens([*doc, 1, 2, 3, 4], 4), 2, 0.0)
+    b = EngineRequest("b", 44, hashes_from_tokens([*doc, 5, 6, 7, 8], 4), 2, 0.0)
+    engine.submit(a)
+    engine.submit(b)
+    assert engine.pending_prefill_tokens == 44 + 4  # b computes only its own last block
+    assert engine.pending_prefix_blocks == 10  # the shared full blocks (the last is computed)
+    # aborting a before it runs: b's estimate is not revised, a's blocks leave the set
+    assert engine.abort("a") is True
+    assert engine.pending_prefill_tokens == 4 and engine.pending_prefix_blocks == 10
+    t = 0.0
+    while engine.has_work:
+        end = engine.start_step(t)
+        assert end is not None
+        engine.finish_step()
+        t = end
+    assert engine.pending_prefill_tokens == 0 and engine.pending_prefix_blocks == 0
+    c = EngineRequest("c", 44, hashes_from_tokens([*doc, 9, 9, 9, 9], 4), 2, t)
+    engine.submit(c)  # the prefix is cached now
+    assert engine.pending_prefill_tokens == 4
+
+
 def test_abort_waiting_and_running() -> None:
     model = make_model(max_num_seqs=1)
     engine = EngineCore("e0", model)
     a = EngineRequest("a", 20, hashes_from_tokens(range(20), 4), 10, 0.0)
-    b = EngineRequest("b", 12, hashes_from_tokens(range(12), 4), 5, 0.0)
+    b = EngineRequest("b", 12, hashes_from_tokens(range(100, 112), 4), 5, 0.0)
     engine.submit(a)
     engine.submit(b)
     assert engine.pending_prefill_tokens == 32
