@@ -29,8 +29,9 @@ Algorithm (DualMap, arXiv 2602.06502, ICLR 2026; ``../shared/docs/algorithms.md`
    affinity only.
 4. **Router queues.** With ``queueing``, a request is held in its engine's
    router queue while that engine has ``dispatch_pending_tokens`` or more
-   prefill tokens pending (or others already wait); the driver releases held
-   requests as engines make progress, longest cache hit first, then FIFO.
+   prefill tokens pending (at least two of its steps' token budget), or others
+   already wait; the driver releases held requests as engines make progress,
+   longest cache hit first, then FIFO.
 5. **Hotspot rebalancing.** An engine is overloaded when its queue's estimated
    TTFT breaches the SLO or its oldest held request waited ``overload_wait_s``.
    Its held requests move to their other candidate when the benefit
@@ -55,6 +56,12 @@ knob that restores the paper's rule):
   (so an overflowed prefix is found again). Two candidates alone cannot
   balance long, heavy-tailed prompts: power of two choices trails least loaded
   there, and so did DualMap without this.
+* The hold gate is at least two steps' token budget (``2 x
+  max_num_batched_tokens``): with the 8,192-token gate on an engine whose step
+  takes 8,192 tokens (H100 presets), the engine's next step started part
+  empty after each release, and DualMap kept 0.88x least loaded's capacity on
+  unique prompts (0.884 vs 0.941 SLO attainment at 900 req/s on 8 H100
+  engines; 0.934 with the larger gate).
 * The TTFT estimate includes the decode batch's slowdown of prefill steps
   (the paper prices tokens at the bare prefill rate, which is optimistic on
   a busy engine).
@@ -336,7 +343,7 @@ class DualMapPolicy(PolicyBase):
                     chosen, reason = spill, "dualmap:overflow"
                     hits[spill.id] = spill_hit
         hold = cfg.queueing and (
-            chosen.router_queued > 0 or chosen.pending_prefill_tokens >= cfg.dispatch_pending_tokens
+            chosen.router_queued > 0 or chosen.pending_prefill_tokens >= self.dispatch_tokens
         )
         return Decision(
             engine=chosen.id,
@@ -367,8 +374,14 @@ class DualMapPolicy(PolicyBase):
     def on_finished(self, req: RequestInfo, engine: EngineId, now: float, ok: bool) -> None:
         self.flight.finish(req.id)
 
+    @property
+    def dispatch_tokens(self) -> int:
+        """Pending prefill tokens from which requests wait in the router queue: the knob, and at
+        least two of the engine's steps (a smaller gate leaves the next step part empty)."""
+        return max(self.config.dispatch_pending_tokens, 2 * self.perf.max_num_batched_tokens)
+
     def can_dispatch(self, engine: EngineView, pending_tokens: int, item: QueuedRequest) -> bool:
-        return pending_tokens < self.config.dispatch_pending_tokens
+        return pending_tokens < self.dispatch_tokens
 
     def rebalance(self, queues: RouterQueues, view: ClusterView, now: float) -> list[Migration]:
         cfg = self.config

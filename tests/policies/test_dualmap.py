@@ -31,7 +31,14 @@ from tests.sim.test_loop import SMALL  # the simulator tests' small engine
 
 BS = 16
 TPS = 1024  # prefill tokens per second
-PERF = PerfModel(name="test", prefill_a=0.0, prefill_b=1000 / TPS, decode_e0=1.0, block_size=BS)
+PERF = PerfModel(
+    name="test",
+    prefill_a=0.0,
+    prefill_b=1000 / TPS,
+    decode_e0=1.0,
+    block_size=BS,
+    max_num_batched_tokens=32,  # the hold gate's floor (two steps) is 64 tokens
+)
 SLO_TOKENS = 5 * TPS  # the default 5 s TTFT SLO, in tokens
 
 E2 = ("e0", "e1")
@@ -335,6 +342,9 @@ def test_unhealthy_candidate_is_skipped_clockwise(gone: str) -> None:
         ({"router_queued": 1, "router_queued_tokens": 10}, {}, True),  # others already wait
         ({"pending_prefill_tokens": 100}, {"dispatch_pending_tokens": 100}, True),
         ({"pending_prefill_tokens": 99}, {"dispatch_pending_tokens": 100}, False),
+        # never below two steps' budget (2 x 32 here): a smaller gate starves the next step
+        ({"pending_prefill_tokens": 64}, {"dispatch_pending_tokens": 10}, True),
+        ({"pending_prefill_tokens": 63}, {"dispatch_pending_tokens": 10}, False),
         ({"pending_prefill_tokens": 9000, "router_queued": 3}, {"queueing": False}, False),
     ],
 )
@@ -355,6 +365,22 @@ def test_holding(stats: dict, options: dict, hold: bool) -> None:
     else:
         assert "x" not in d.queues
         assert d.in_flight == {decision.engine: 1}
+
+
+@pytest.mark.parametrize(("pending", "hold"), [(16383, False), (16384, True)])
+def test_hold_gate_is_two_steps_of_a_large_budget(pending: int, hold: bool) -> None:
+    """An engine whose step takes 8,192 tokens (vLLM's default on an 80 GB GPU) is held from
+    two steps' worth, above the 8,192-token default."""
+    perf = PerfModel(
+        name="big-step",
+        prefill_a=0.0,
+        prefill_b=1000 / TPS,
+        block_size=BS,
+        max_num_batched_tokens=8192,
+    )
+    policy = create_policy("dualmap", PolicyContext(block_size=BS, perf=perf), LEGACY)
+    v = view(E4, **{e: {"pending_prefill_tokens": pending} for e in E4})
+    assert Dispatcher(policy).route(req(fresh()), v, 0.0).hold is hold
 
 
 def held_on_e0(d: Dispatcher, prompts: Sequence[tuple[int, ...]]) -> list[RequestInfo]:
