@@ -399,6 +399,25 @@ def render(results: Mapping[str, Any], args: argparse.Namespace) -> str:
     return "\n".join(out)
 
 
+def merge_saved(saved: list[dict[str, Any]]) -> dict[str, Any]:
+    """Results saved by ``--json``, merged in order: a later run's bounds and policy results
+    replace an earlier one's for the same preset and workload (re-running one policy)."""
+    runs: dict[tuple[str, str], dict[str, Any]] = {}
+    policies: list[str] = []
+    skipped: list[str] = []
+    wall = 0.0
+    for raw in saved:
+        for r in raw["runs"]:
+            key = (r["preset"], r["workload"])
+            merged = {**runs.get(key, {}), **{k: v for k, v in r.items() if k != "policies"}}
+            merged["policies"] = {**runs.get(key, {}).get("policies", {}), **r.get("policies", {})}
+            runs[key] = merged
+        policies += [p for p in raw["policies"] if p not in policies]
+        skipped += [s for s in raw.get("skipped", []) if s not in skipped]
+        wall += raw.get("wall_seconds", 0.0)
+    return {"runs": runs, "policies": policies, "skipped": skipped, "wall_seconds": wall}
+
+
 def _names(text: str) -> list[str]:
     return [t for t in text.split(",") if t]
 
@@ -412,15 +431,22 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--instances", type=int, default=8)
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--json", default="", help="also write the raw results here")
-    ap.add_argument("--from-json", default="", help="only render results saved by --json")
+    ap.add_argument(
+        "--from-json",
+        default="",
+        help="only render results saved by --json; several files (a,b) merge, a later file's "
+        "policy results replacing an earlier one's",
+    )
     ap.add_argument(
         "--ttft-only", action="store_true", help="capacity on the TTFT target alone (DualMap's)"
     )
     args = ap.parse_args(argv)
     if args.from_json:
-        raw = json.loads(Path(args.from_json).read_text())
-        raw["runs"] = {(r["preset"], r["workload"]): r for r in raw["runs"]}
-        print(render(raw, args))
+        print(
+            render(
+                merge_saved([json.loads(Path(f).read_text()) for f in _names(args.from_json)]), args
+            )
+        )
         return 0
     unknown = [w for w in args.workloads if w not in {x.name for x in WORKLOADS}]
     unknown += [p for p in args.policies if p not in policy_names()]

@@ -55,3 +55,21 @@ def test_unknown_names_are_refused() -> None:
         suite.main(["--workloads", "nope"])
     with pytest.raises(SystemExit):
         suite.main(["--policies", "nope"])
+
+
+def test_saved_runs_merge_with_the_later_policy_results_winning() -> None:
+    def run(workload: str, sq: float, **caps: float) -> dict:
+        policies = {p: {"capacity": c} for p, c in caps.items()}
+        return {"preset": "p", "workload": workload, "shared_queue": {"capacity": sq},
+                "policies": policies}  # fmt: skip
+
+    first = {"runs": [run("chat", 2.0, a=1.0, b=1.5), run("agent", 3.0, a=2.0)],
+             "policies": ["a", "b"], "skipped": ["x"], "wall_seconds": 10.0}  # fmt: skip
+    second = {"runs": [run("chat", 2.0, b=1.8, c=0.5)], "policies": ["b", "c"],
+              "wall_seconds": 5.0}  # fmt: skip
+    merged = suite.merge_saved([first, second])
+    chat = merged["runs"][("p", "chat")]["policies"]
+    assert {p: r["capacity"] for p, r in chat.items()} == {"a": 1.0, "b": 1.8, "c": 0.5}
+    assert merged["runs"][("p", "agent")]["policies"] == {"a": {"capacity": 2.0}}
+    assert merged["policies"] == ["a", "b", "c"] and merged["skipped"] == ["x"]
+    assert merged["wall_seconds"] == 15.0
