@@ -1,5 +1,6 @@
 """predicted_ttft on hand-built views: the cache against the queue, TPOT feasibility with the
-context decodes attend to, the busy-cluster work price, the share penalty, KV events, ties."""
+context decodes attend to, the busy-cluster work price, the eviction price, the share penalty,
+KV events, ties."""
 
 from __future__ import annotations
 
@@ -135,6 +136,21 @@ def test_a_busy_cluster_prices_the_work_a_miss_adds(work_weight: float, expected
     rows = {p.engine.id: p for p in policy.predict(req("q", (*DOC, 7)), v)}
     assert rows["e0"].ttft_s > rows["e1"].ttft_s  # the premise: e1 is predicted faster
     assert d.route(req("q", (*DOC, 7)), v, 1.0).engine == expected
+
+
+@pytest.mark.parametrize(("evict_weight", "expected"), [(3.0, "e1"), (0.0, "e0")])
+def test_a_miss_on_a_full_engine_pays_for_what_it_evicts(
+    evict_weight: float, expected: str
+) -> None:
+    """e0's cache (600 blocks as the index sees it) holds a document every request so far hit;
+    a new 500-block document would evict most of it there. e1 has room but 500 tokens queued:
+    without the eviction price e0 is a little faster; with it, e1 is cheaper."""
+    _, d = make(evict_weight=evict_weight, index_blocks=600, share_weight=0.0, reuse_window=2)
+    for i in range(4):  # the document, then questions that hit it: reuse near 1
+        warm(d, req(f"w{i}", (*DOC, 90_000 + i)), "e0", 2, now=i * 0.2)
+    other = tuple(range(5_000, 5_500))
+    v = view(ev(0), ev(1, pending_prefill_tokens=500))
+    assert d.route(req("new", other), v, 60.0).engine == expected
 
 
 @pytest.mark.parametrize(("share_weight", "spread"), [(10.0, True), (0.0, False)])
