@@ -31,10 +31,10 @@ BS = 16
 PERF = PerfModel(name="test", prefill_a=0.0, prefill_b=1.0, decode_e0=1.0, block_size=BS)
 
 
-PAPER = {"queue_aware": False, "pd_balance": True}
-"""The paper's window load (no queue term) and P/D balancing on: what the tests below pin
-down. kvgate's defaults (queue-aware load, P/D balancing off) are tested in
-tests/policies/test_preble_defaults.py."""
+PAPER = {"queue_aware": False, "pd_balance": True, "tpot_aware": False}
+"""The paper's window load (no queue term), P/D balancing on and no TPOT filter: what the tests
+below pin down. kvgate's defaults (queue-aware load, P/D balancing off, TPOT-aware explore) are
+tested in tests/policies/test_preble_defaults.py."""
 
 
 def make(**options: object) -> tuple[PreblePolicy, Dispatcher]:

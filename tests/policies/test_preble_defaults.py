@@ -70,8 +70,9 @@ def test_exploit_avoids_the_holder_with_prefill_queued_now() -> None:
 def test_window_load_counts_over_the_load_horizon() -> None:
     """e0 routed 0.64 s of prefill in the window, e1 nothing; e1 has 0.1 s queued now.
     Load = window x 10/180 + queued: e0 0.036, e1 0.100 -> e0; with the full window
-    (load_horizon_s = window_s) e0 0.64 > e1 0.10 -> e1."""
-    quiet = {"initial_tpot_s": 0.0, "rebalance": False}
+    (load_horizon_s = window_s) e0 0.64 > e1 0.10 -> e1. (TPOT filter off: with 2 s mixed
+    steps e0's 6 % duty cycle would exclude it, tested below.)"""
+    quiet = {"initial_tpot_s": 0.0, "rebalance": False, "tpot_aware": False}
     for horizon, expected in ((10.0, "e0"), (180.0, "e1")):
         _, d = make(**quiet, load_horizon_s=horizon)
         d.route(req(blocks((2, 40))), only("e0"), 0.0)  # 641 tokens: 0.641 s in e0's window
@@ -91,3 +92,15 @@ def test_announced_blocks_count_as_cached() -> None:
     assert decision.expected_hit_tokens == 40 * BS
     d.cache_event("e1", (), doc)  # evicted: no longer announced
     assert policy.announced.match(doc) == {}
+
+
+def test_explore_skips_engines_whose_decodes_would_miss_tpot() -> None:
+    """e0 was just sent a 1,000-token prefill (1 s of the last 10: a 10 % duty cycle of 2 s
+    mixed steps, so a decode there is predicted at ~0.2 s per token, above the 0.1 s target);
+    e1 has 0.5 s of prefill queued. Explore's L + M + P alone prefers e0."""
+    quiet = {"initial_tpot_s": 0.0, "rebalance": False}
+    for options, expected in (({}, "e1"), ({"tpot_aware": False}, "e0")):
+        _, d = make(**quiet, **options)
+        d.route(req(blocks((1, 62)), extra=8), only("e0"), 0.0)
+        decision = d.route(req(blocks((2, 4))), view(e1={"pending_prefill_tokens": 500}), 1.0)
+        assert (decision.engine, decision.reason) == (expected, "preble:explore"), options
