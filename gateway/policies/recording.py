@@ -27,6 +27,7 @@ from typing import Any
 from gateway.core.types import ClusterView, Decision, EngineId, EngineView, Migration, RequestInfo
 from gateway.perfmodel.model import PerfModel
 from gateway.policies.base import Policy, PolicyContext
+from gateway.policies.pd_rule import PDSettings
 from gateway.policies.registry import create_policy
 from gateway.policies.router_queues import QueuedRequest, RouterQueues
 
@@ -49,14 +50,22 @@ class PolicySpec:
     block_size: int = 16
     kv_events: bool = False
     perf: PerfModel | None = None
+    pd: PDSettings = field(default_factory=PDSettings)
+    """The P/D rule's thresholds, so a disaggregated gateway's log replays the same rule."""
 
     @classmethod
     def of(cls, name: str, ctx: PolicyContext, options: Mapping[str, Any] | None) -> PolicySpec:
-        return cls(name, dict(options or {}), ctx.seed, ctx.block_size, ctx.kv_events, ctx.perf)
+        return cls(
+            name, dict(options or {}), ctx.seed, ctx.block_size, ctx.kv_events, ctx.perf, ctx.pd
+        )
 
     def context(self) -> PolicyContext:
         return PolicyContext(
-            seed=self.seed, block_size=self.block_size, perf=self.perf, kv_events=self.kv_events
+            seed=self.seed,
+            block_size=self.block_size,
+            perf=self.perf,
+            kv_events=self.kv_events,
+            pd=self.pd,
         )
 
     def build(self) -> Policy:

@@ -24,6 +24,7 @@ from gateway.core.types import (
     SloClass,
 )
 from gateway.perfmodel.model import PerfModel
+from gateway.policies.pd_rule import PDSettings
 from gateway.policies.recording import Call, PolicySpec, QueueSnapshot
 from gateway.policies.router_queues import QueuedRequest
 
@@ -117,6 +118,7 @@ def encode_spec(spec: PolicySpec) -> dict[str, Any]:
         "block_size": spec.block_size,
         "kv_events": spec.kv_events,
         "perf": perf,
+        "pd": dataclasses.asdict(spec.pd),
     }
 
 
@@ -132,4 +134,5 @@ def decode_spec(data: Mapping[str, Any]) -> PolicySpec:
         block_size=int(data.get("block_size", 16)),
         kv_events=bool(data.get("kv_events", False)),
         perf=perf,
+        pd=PDSettings(**data["pd"]) if data.get("pd") else PDSettings(),  # older logs: none
     )

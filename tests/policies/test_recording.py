@@ -16,6 +16,8 @@ import pytest
 
 from gateway.core.types import ClusterView, Decision, RequestInfo
 from gateway.policies.base import PolicyContext
+from gateway.policies.cost_model import CostModelPolicy
+from gateway.policies.pd_rule import PDSettings
 from gateway.policies.recording import (
     CALL_BYTES,
     Call,
@@ -154,3 +156,15 @@ def test_codec_round_trips_values_and_refuses_other_classes() -> None:
         decode({"D": "Popen", "f": {}})
     with pytest.raises(CodecError):
         decode_call({"a": {"T": []}})
+
+
+def test_the_spec_keeps_the_p_d_rule_thresholds_through_json() -> None:
+    """A disaggregated gateway's log replays with the rule thresholds it ran with."""
+    pd = PDSettings(min_uncached_tokens=64, max_local_tokens=512, saturation_wait_s=0.25)
+    spec = PolicySpec.of("cost_model", PolicyContext(perf=ENGINE, pd=pd), None)
+    back = decode_spec(json.loads(json.dumps(encode_spec(spec))))
+    assert back == spec and back.pd == pd
+    policy = back.build()
+    assert isinstance(policy, CostModelPolicy) and policy.rule.settings == pd
+    older = {k: v for k, v in encode_spec(spec).items() if k != "pd"}  # a log from before
+    assert decode_spec(older).pd == PDSettings()
