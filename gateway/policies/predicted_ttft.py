@@ -37,6 +37,12 @@ Dynamo, ``../shared/docs/anchors.md``):
    EWMA over ``busy_window`` decisions, capped at ``max_utilisation``), the
    prefill a miss adds delays the requests behind it by about ``W u/(1-u)``,
    so a busy cluster keeps affinity and an idle one spreads
+   ``+ decode_weight * u * prefill(e) * running(e) / mean running``: the prefill
+   a request adds is mixed into the steps of the decodes running there, so an
+   engine with a big batch pays more for it; the request's own TPOT does not
+   see the decodes it slows (Mooncake on 8 H100 engines at 17.2 req/s: SLO
+   attainment 0.880 -> 0.906, TPOT-only misses 11.8 -> 9.2 %; weighted_scorer
+   0.915)
    ``+ evict_weight * reuse * (1 + lambda) * prefill(evicted(e))``: the cached
    blocks the request's uncached ones push out of a full engine (as the index
    sees it) will be prefilled again when their prompts come back; ``reuse`` is
@@ -57,13 +63,11 @@ Memory: the index holds at most ``2**22`` blocks (each engine's part at most
 its KV capacity, ``index_blocks`` to override); the in-flight context at most
 ``2**20`` requests; the rest is one small record per engine.
 
-Knobs (defaults): ``work_weight=4``, ``evict_weight=3``, ``reuse_window=256``,
-``decode_aware=true``,
-``decode_in_cost=true``, ``tpot_headroom=1``, ``duty_window_s=10``,
-``decode_weight=0`` (an extra ``u x prefill x running/mean running`` term),
-``share_slack=0.2``, ``share_weight=10``, ``share_window=32``,
-``max_utilisation=0.9``, ``busy_window=32``, ``tie_s=0.005``,
-``index_blocks=0``, ``precise=false``.
+Knobs (defaults): ``work_weight=4``, ``decode_weight=1``, ``evict_weight=3``,
+``reuse_window=256``, ``decode_aware=true``, ``decode_in_cost=true``,
+``tpot_headroom=1``, ``duty_window_s=10``, ``share_slack=0.2``,
+``share_weight=10``, ``share_window=32``, ``max_utilisation=0.9``,
+``busy_window=32``, ``tie_s=0.005``, ``index_blocks=0``, ``precise=false``.
 """
 
 from __future__ import annotations
@@ -92,7 +96,7 @@ class PredictedTtftConfig:
     decode_in_cost: bool = True
     tpot_headroom: float = 1.0
     duty_window_s: float = 10.0
-    decode_weight: float = 0.0
+    decode_weight: float = 1.0
     evict_weight: float = 3.0
     reuse_window: int = 256
     share_slack: float = 0.2

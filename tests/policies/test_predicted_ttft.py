@@ -13,6 +13,7 @@ from gateway.core.types import ClusterView, EngineView, RequestInfo
 from gateway.perfmodel.presets import load_preset
 from gateway.policies import Dispatcher, PolicyContext, create_policy
 from gateway.policies.predicted_ttft import PredictedTtftPolicy
+from gateway.policies.ttft_estimate import step_rate
 
 BS = 16
 PERF = load_preset("mistral-7b-a6000")
@@ -136,6 +137,28 @@ def test_a_busy_cluster_prices_the_work_a_miss_adds(work_weight: float, expected
     rows = {p.engine.id: p for p in policy.predict(req("q", (*DOC, 7)), v)}
     assert rows["e0"].ttft_s > rows["e1"].ttft_s  # the premise: e1 is predicted faster
     assert d.route(req("q", (*DOC, 7)), v, 1.0).engine == expected
+
+
+@pytest.mark.parametrize(("decode_weight", "expected"), [(1.0, "e1"), (0.0, "e0")])
+def test_prefill_added_to_a_big_decode_batch_is_priced(decode_weight: float, expected: str) -> None:
+    """Both engines have prefill queued; e0 runs 120 decodes, e1 20. A cold 8,000-token prompt
+    is predicted 0.02 s faster on e0, but its prefill chunks would stretch e0's 120 decodes:
+    ``decode_weight x u x prefill x running / mean running`` sends it to e1."""
+    quiet = {"decode_aware": False, "work_weight": 0.0, "share_weight": 0.0, "evict_weight": 0.0}
+    policy, d = make(decode_weight=decode_weight, **quiet)
+    q = req("q", DOC)
+    e0 = ev(0, num_running=120, pending_prefill_tokens=2_000)
+    probe = ev(1, num_running=20, pending_prefill_tokens=0)
+    rows = {p.engine.id: p for p in policy.predict(q, view(e0, probe))}
+    rate = step_rate(PERF, probe, policy.flight.attended(PERF, probe, q.prompt_tokens))
+    queued = int((rows["e0"].ttft_s - rows["e1"].ttft_s + 0.02) * rate.tokens_per_s)
+    v = view(e0, ev(1, num_running=20, pending_prefill_tokens=queued))
+    for i in range(200):  # every engine has prefill queued: u at its cap
+        policy.predict(req(f"p{i}", (7,)), v)
+        policy._busy += (policy._observed - policy._busy) / policy.config.busy_window
+    rows = {p.engine.id: p for p in policy.predict(q, v)}
+    assert rows["e1"].ttft_s > rows["e0"].ttft_s  # the premise: e0 is predicted faster
+    assert d.route(q, v, 1.0).engine == expected
 
 
 @pytest.mark.parametrize(("evict_weight", "expected"), [(3.0, "e1"), (0.0, "e0")])
