@@ -25,8 +25,8 @@ Algorithm (DualMap, arXiv 2602.06502, ICLR 2026; ``../shared/docs/algorithms.md`
    (estimated from a per-engine LRU of routed prompts, as large as the
    engine's KV; corrected by KV events when the driver delivers them) unless
    its estimate breaches the request's TTFT SLO; then the lower estimate.
-   Equal hits: lower KV usage, then the seeded RNG. ``slo_aware=false`` is
-   affinity only.
+   Equal hits: the lower estimate, then lower KV usage, then the seeded RNG.
+   ``slo_aware=false`` is affinity only.
 4. **Router queues.** With ``queueing``, a request is held in its engine's
    router queue while that engine has ``dispatch_pending_tokens`` or more
    prefill tokens pending (at least two of its steps' token budget), or others
@@ -62,6 +62,12 @@ knob that restores the paper's rule):
   empty after each release, and DualMap kept 0.88x least loaded's capacity on
   unique prompts (0.884 vs 0.941 SLO attainment at 900 req/s on 8 H100
   engines; 0.934 with the larger gate).
+* ``tie_by_estimate=true``: equal hits go to the lower TTFT estimate before
+  the lower KV usage (the paper's tie-break): in the gateway KV usage is scraped, so between two
+  scrapes every request whose candidates tie on it went to the same engine of
+  the pair; live on unique prompts (4 emulated engines at 70 % load) DualMap's
+  TTFT p50/p99 was 210 / 1,288 ms, with this rule 71 / 423 ms (round robin
+  68 / 262 ms).
 * The TTFT estimate includes the decode batch's slowdown of prefill steps
   (the paper prices tokens at the bare prefill rate, which is optimistic on
   a busy engine).
@@ -113,6 +119,7 @@ class DualMapConfig:
     slo_aware: bool = True
     slo_headroom: float = 1.0
     fresh_headroom: float = 0.25
+    tie_by_estimate: bool = True
     tpot_aware: bool = True
     duty_window_s: float = 10.0
     overflow: bool = True
@@ -304,6 +311,8 @@ class DualMapPolicy(PolicyBase):
             a, b = cands[0], cands[1]
             if hits[a.id] != hits[b.id]:
                 prefer, other = (a, b) if hits[a.id] > hits[b.id] else (b, a)
+            elif cfg.tie_by_estimate and est[a.id] != est[b.id]:  # fresh in the gateway
+                prefer, other = (a, b) if est[a.id] < est[b.id] else (b, a)
             elif a.kv_usage != b.kv_usage:
                 prefer, other = (a, b) if a.kv_usage < b.kv_usage else (b, a)
             else:

@@ -46,7 +46,13 @@ E4 = ("e0", "e1", "e2", "e3")
 E8 = tuple(f"e{i}" for i in range(8))
 
 
-LEGACY = {"key_tokens": BS, "shared_share": 0, "overflow": False, "fresh_headroom": 1.0}
+LEGACY = {
+    "key_tokens": BS,
+    "shared_share": 0,
+    "overflow": False,
+    "fresh_headroom": 1.0,
+    "tie_by_estimate": False,
+}
 """The paper's mechanisms alone, keyed in single blocks: what most tests below pin down.
 The defaults (512-token keys, shared keys never final, overflow, fresh-key headroom) are
 tested in tests/policies/test_dualmap_keys.py."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
+import pytest
+
 from gateway.core.blocks import hashes_from_segments
 from gateway.core.types import ClusterView, EngineView, RequestInfo
 from gateway.perfmodel.model import PerfModel
@@ -145,9 +147,10 @@ def test_overflow_off_keeps_the_two_candidates() -> None:
 
 
 def test_a_first_seen_key_balances_at_a_quarter_of_the_slo() -> None:
-    """The preferred candidate (lower KV usage) is 2 s behind, the other idle: a first-seen
-    key moves (2 s > 0.25 x 5 s); a key seen in the window keeps affinity (2 s < 5 s)."""
-    policy, d = make(queueing=False, rebalance=False)
+    """The preferred candidate (lower KV usage; the paper's tie-break) is 2 s behind, the other
+    idle: a first-seen key moves (2 s > 0.25 x 5 s); a key seen in the window keeps affinity
+    (2 s < 5 s)."""
+    policy, d = make(queueing=False, rebalance=False, tie_by_estimate=False)
     r = prompt((next(_segs), 1024))
     a, b = policy.candidates(policy.key(r)[0], view())
     stats = {a.id: {"pending_prefill_tokens": 2048, "kv_usage": 0.1}, b.id: {"kv_usage": 0.5}}
@@ -159,11 +162,29 @@ def test_a_first_seen_key_balances_at_a_quarter_of_the_slo() -> None:
     # same key, now in the window; no cached blocks on either (forget b's copy)
     policy.cache.remove_engine(b.id)
     assert d.route(seen, view(**stats), 1.0).engine == a.id
-    paper_policy, paper = make(queueing=False, rebalance=False, fresh_headroom=1.0)
+    paper_policy, paper = make(
+        queueing=False, rebalance=False, fresh_headroom=1.0, tie_by_estimate=False
+    )
     fresh = prompt((next(_segs), 1024))
     pa, pb = paper_policy.candidates(paper_policy.key(fresh)[0], view())
     stats = {pa.id: {"pending_prefill_tokens": 2048, "kv_usage": 0.1}, pb.id: {"kv_usage": 0.5}}
     assert paper.route(fresh, view(**stats), 0.0).engine == pa.id
+
+
+@pytest.mark.parametrize(("tie_by_estimate", "idle_wins"), [(True, True), (False, False)])
+def test_equal_hits_go_to_the_lower_estimate_before_kv_usage(
+    tie_by_estimate: bool, idle_wins: bool
+) -> None:
+    """Nothing cached on either candidate; the one with lower (scraped, maybe stale) KV usage
+    has 64 tokens of prefill queued by this router (1/16 s; both stay below the fresh-key
+    breach): the queue decides, unless the paper's tie-break (KV usage) is asked for."""
+    policy, d = make(queueing=False, rebalance=False, tie_by_estimate=tie_by_estimate)
+    r = prompt((next(_segs), 1024))
+    a, b = policy.candidates(policy.key(r)[0], view())
+    stats = {a.id: {"pending_prefill_tokens": 64, "kv_usage": 0.1}, b.id: {"kv_usage": 0.5}}
+    decision = d.route(r, view(**stats), 0.0)
+    assert decision.engine == (b.id if idle_wins else a.id)
+    assert decision.reason == "dualmap:affinity"
 
 
 def test_kv_events_feed_the_prompt_lru() -> None:
