@@ -334,10 +334,14 @@ def render(results: Mapping[str, Any], args: argparse.Namespace) -> str:
     workloads = [w for w in WORKLOADS if any(k[1] == w.name for k in results["runs"])]
     for preset in args.presets:
         perf = load_preset(preset)
+        counts = ", ".join(
+            f"{w.name} {results['runs'][(preset, w.name)]['requests']:,}"
+            for w in workloads
+            if (preset, w.name) in results["runs"]
+        )
         out += [
             f"\n### {preset}: {args.instances} engines × {perf.kv_capacity_tokens / 1e6:.2f} M "
-            f"tokens of KV, first {args.requests} requests ({4 * args.requests} for the "
-            "Preble-style generators)\n",
+            f"tokens of KV; requests: {counts}\n",
             *_summary_matrix(results, preset, workloads),
             f"Capacity (req/s) at which ≥ 90 % meet {_criterion(args)}, ±2 %; ratios to "
             "least_loaded (LL), the best baseline (BB), the shared-queue bound (SQ) and the "

@@ -24,6 +24,7 @@ def test_tiny_suite_renders_ratios_and_notes(
     captured = capsys.readouterr()
     text = captured.out
     assert "### mistral-7b-a6000: 2 engines" in text
+    assert "requests: chat 20\n" in text  # the runs' own sizes (also when merged from JSON)
     rows = [line.split("|") for line in text.splitlines() if line.startswith("| ")]
     ll = next(r for r in rows if len(r) > 4 and r[2].strip() == "least_loaded")
     assert ll[4].strip() == "1.00"  # least_loaded / least_loaded
