@@ -25,13 +25,14 @@ Algorithm (DualMap, arXiv 2602.06502, ICLR 2026; ``../shared/docs/algorithms.md`
    (estimated from a per-engine LRU of routed prompts, as large as the
    engine's KV; corrected by KV events when the driver delivers them) unless
    its estimate breaches the request's TTFT SLO; then the lower estimate.
-   Equal hits: the lower estimate, then lower KV usage, then the seeded RNG.
+   Equal hits: the lower estimate, then lower KV usage, then a coin derived
+   from the key (the same on every replica).
    ``slo_aware=false`` is affinity only.
 4. **Router queues.** With ``queueing``, a request is held in its engine's
    router queue while that engine has ``dispatch_pending_tokens`` or more
-   prefill tokens pending (at least two of its steps' token budget), or others
-   already wait; the driver releases held requests as engines make progress,
-   longest cache hit first, then FIFO.
+   prefill tokens pending (default 0: 8,192 and at least two of its steps'
+   token budget), or others already wait; the driver releases held requests
+   as engines make progress, longest cache hit first, then FIFO.
 5. **Hotspot rebalancing.** An engine is overloaded when its queue's estimated
    TTFT breaches the SLO or its oldest held request waited ``overload_wait_s``.
    Its held requests move to their other candidate when the benefit
@@ -56,9 +57,10 @@ knob that restores the paper's rule):
   (so an overflowed prefix is found again). Two candidates alone cannot
   balance long, heavy-tailed prompts: power of two choices trails least loaded
   there, and so did DualMap without this.
-* The hold gate is at least two steps' token budget (``2 x
-  max_num_batched_tokens``): with the 8,192-token gate on an engine whose step
-  takes 8,192 tokens (H100 presets), the engine's next step started part
+* The default hold gate is at least two steps' token budget (``2 x
+  max_num_batched_tokens``; ``dispatch_pending_tokens=8192`` restores a
+  fixed gate): with the 8,192-token gate on an engine whose step takes 8,192
+  tokens (H100 presets), the engine's next step started part
   empty after each release, and DualMap kept 0.88x least loaded's capacity on
   unique prompts (0.884 vs 0.941 SLO attainment at 900 req/s on 8 H100
   engines; 0.934 with the larger gate).
@@ -102,6 +104,7 @@ from gateway.policies.ttft_estimate import step_rate, tpot_s, ttft_s
 
 _FALLBACK_PERF = PerfModel(name="dualmap-default", prefill_a=4.21, prefill_b=0.1084)
 _DEFAULT_LRU_BLOCKS = 31_250
+_DISPATCH_TOKENS = 8192  # the hold gate's base (dispatch_pending_tokens=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,14 +127,16 @@ class DualMapConfig:
     duty_window_s: float = 10.0
     overflow: bool = True
     queueing: bool = True
-    dispatch_pending_tokens: int = 8192
+    dispatch_pending_tokens: int = 0
     rebalance: bool = True
     overload_wait_s: float = 60.0
     cache_blocks: int = 0
 
     def __post_init__(self) -> None:
-        if self.vnodes <= 0 or self.fixed_depth <= 0 or self.dispatch_pending_tokens <= 0:
-            raise ValueError("vnodes, fixed_depth and dispatch_pending_tokens must be positive")
+        if self.vnodes <= 0 or self.fixed_depth <= 0 or self.dispatch_pending_tokens < 0:
+            raise ValueError(
+                "vnodes and fixed_depth must be positive, dispatch_pending_tokens >= 0 (0: auto)"
+            )
         if self.key_tokens <= 0:
             raise ValueError("key_tokens must be positive")
         if not 0.0 <= self.shared_share <= 1.0:
@@ -163,7 +168,6 @@ class DualMapPolicy(PolicyBase):
         )
         self.cache = PrefixIndex(cfg.cache_blocks or 1 << 22)
         self.perf: PerfModel = ctx.perf or _FALLBACK_PERF
-        self._rng = ctx.rng(self.name)
         self._capacity: dict[EngineId, int] = {}
 
     # -- membership ------------------------------------------------------------
@@ -316,7 +320,9 @@ class DualMapPolicy(PolicyBase):
             elif a.kv_usage != b.kv_usage:
                 prefer, other = (a, b) if a.kv_usage < b.kv_usage else (b, a)
             else:
-                prefer, other = (a, b) if self._rng.random() < 0.5 else (b, a)
+                # a coin from the key, not a stateful RNG: every replica flips it alike
+                flip = xxhash.xxh3_64_intdigest(key.to_bytes(16, "little", signed=True)) & 1
+                prefer, other = (a, b) if flip else (b, a)
             if len(cands) == 3:  # the holder is preferred; the better ring candidate is other
                 prefer, other = cands[2], min((a, b), key=lambda e: est[e.id])
             chosen, reason = prefer, "dualmap:affinity"
@@ -385,9 +391,12 @@ class DualMapPolicy(PolicyBase):
 
     @property
     def dispatch_tokens(self) -> int:
-        """Pending prefill tokens from which requests wait in the router queue: the knob, and at
-        least two of the engine's steps (a smaller gate leaves the next step part empty)."""
-        return max(self.config.dispatch_pending_tokens, 2 * self.perf.max_num_batched_tokens)
+        """Pending prefill tokens from which requests wait in the router queue: the knob when
+        set, else 8,192 and at least two of the engine's steps (a smaller gate leaves the next
+        step part empty)."""
+        if self.config.dispatch_pending_tokens:
+            return self.config.dispatch_pending_tokens
+        return max(_DISPATCH_TOKENS, 2 * self.perf.max_num_batched_tokens)
 
     def can_dispatch(self, engine: EngineView, pending_tokens: int, item: QueuedRequest) -> bool:
         return pending_tokens < self.dispatch_tokens
