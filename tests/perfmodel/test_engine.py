@@ -21,6 +21,7 @@ from gateway.perfmodel.presets import (
     preset_from_dict,
 )
 from gateway.perfmodel.queues import PRIORITY_GROUPS, priority_group
+from tests.perfmodel.test_frontend_and_wake import run as run_to_idle
 
 INF = float("inf")
 ENGINE = settings(max_examples=40, deadline=None)
@@ -511,12 +512,7 @@ def test_pending_prefill_counts_a_prefix_queued_ahead_once() -> None:
     # aborting a before it runs: b's estimate is not revised, a's blocks leave the set
     assert engine.abort("a") is True
     assert engine.pending_prefill_tokens == 4 and engine.pending_prefix_blocks == 10
-    t = 0.0
-    while engine.has_work:
-        end = engine.start_step(t)
-        assert end is not None
-        engine.finish_step()
-        t = end
+    t = run_to_idle(engine, 0.0)
     assert engine.pending_prefill_tokens == 0 and engine.pending_prefix_blocks == 0
     c = EngineRequest("c", 44, hashes_from_tokens([*doc, 9, 9, 9, 9], 4), 2, t)
     engine.submit(c)  # the prefix is cached now
@@ -614,12 +610,7 @@ def test_pending_prefill_tokens_after_preemption() -> None:
     b = EngineRequest("b", 1, (), 9, 0.0)
     engine.submit(a)
     engine.submit(b)
-    now = 0.0
-    while engine.has_work:
-        end = engine.start_step(now)
-        assert end is not None
-        engine.finish_step()
-        now = end
+    run_to_idle(engine, 0.0)
     # b was preempted after 8 outputs and recomputed 9 tokens in chunks of 8 + 1.
     assert b.preemptions == 1
     assert a.num_output == b.num_output == 9
