@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from gateway.perfmodel.engine import EngineRequest
+    from gateway.perfmodel.request import EngineRequest
 
 PRIORITY_GROUPS = 10
 """Preble's P: the number of cache-hit-ratio groups."""
