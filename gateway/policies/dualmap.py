@@ -96,11 +96,11 @@ from gateway.core.types import ClusterView, Decision, EngineId, EngineView, Migr
 from gateway.perfmodel.model import PerfModel
 from gateway.policies.base import PolicyBase, PolicyContext
 from gateway.policies.hash_ring import HashRing
-from gateway.policies.inflight import InFlightContext, RoutedWork
+from gateway.policies.inflight import InFlightContext, RoutedWork, routed_tpot_s
 from gateway.policies.prefix_hotness import PrefixHotness
 from gateway.policies.prefix_index import PrefixIndex
 from gateway.policies.router_queues import QueuedRequest, RouterQueues
-from gateway.policies.ttft_estimate import step_rate, tpot_s, ttft_s
+from gateway.policies.ttft_estimate import step_rate, ttft_s
 
 _FALLBACK_PERF = PerfModel(name="dualmap-default", prefill_a=4.21, prefill_b=0.1084)
 _DEFAULT_LRU_BLOCKS = 31_250
@@ -271,9 +271,9 @@ class DualMapPolicy(PolicyBase):
         carrying the prefill chunks this router has been sending there)"""
         if not self.config.tpot_aware:
             return False
-        ctx = self.flight.attended(self.perf, engine, req.prompt_tokens)
-        duty = self.routed_work.duty(engine.id, now)
-        tpot = tpot_s(self.perf, engine, req.prompt_tokens, duty=duty, ctx_tokens=ctx)
+        tpot = routed_tpot_s(
+            self.perf, engine, req.prompt_tokens, flight=self.flight, work=self.routed_work, now=now
+        )
         return tpot > req.slo.tpot_s
 
     def _backlog(self, engine: EngineView, queued: int) -> float:

@@ -22,7 +22,7 @@ from collections import OrderedDict
 
 from gateway.core.types import EngineId, EngineView
 from gateway.perfmodel.model import PerfModel
-from gateway.policies.ttft_estimate import kv_tokens
+from gateway.policies.ttft_estimate import kv_tokens, tpot_s
 
 
 class InFlightContext:
@@ -111,3 +111,19 @@ class RoutedWork:
 
     def __contains__(self, engine: object) -> bool:
         return engine in self._work
+
+
+def routed_tpot_s(
+    perf: PerfModel,
+    engine: EngineView,
+    prompt_tokens: int,
+    *,
+    flight: InFlightContext,
+    work: RoutedWork,
+    now: float,
+) -> float:
+    """Predicted time per output token of a new ``prompt_tokens`` request on ``engine``: the
+    batch one larger, attending to the context in flight there, a share of its steps (the
+    prefill duty cycle routed there) carrying a prefill chunk."""
+    ctx = flight.attended(perf, engine, prompt_tokens)
+    return tpot_s(perf, engine, prompt_tokens, duty=work.duty(engine.id, now), ctx_tokens=ctx)

@@ -75,7 +75,7 @@ from typing import ClassVar
 from gateway.core.types import ClusterView, Decision, EngineId, EngineView, RequestInfo
 from gateway.perfmodel.model import PerfModel
 from gateway.policies.base import PolicyBase, PolicyContext
-from gateway.policies.inflight import InFlightContext, RoutedWork
+from gateway.policies.inflight import InFlightContext, RoutedWork, routed_tpot_s
 from gateway.policies.prefix_index import PrefixIndex
 from gateway.policies.radix_tree import Node, RadixTree
 from gateway.policies.ttft_estimate import tpot_s, wait_s
@@ -217,8 +217,8 @@ class PreblePolicy(PolicyBase):
         best = max(cached.values())
         out = self._predict_output(match.path)
         load = {e.id: self._load(e, req, out) for e in healthy}
-        holders = [e for e in healthy if cached[e.id] == best]
         if best > req.prompt_tokens - best or not cfg.explore:
+            holders = [e for e in healthy if cached[e.id] == best]
             chosen = min(holders, key=lambda e: load[e.id])
             reason = "preble:exploit" if best else "preble:cold"
         else:
@@ -234,9 +234,9 @@ class PreblePolicy(PolicyBase):
     def _tpot_breach(self, engine: EngineView, req: RequestInfo, now: float) -> bool:
         """Would ``req``'s decode on ``engine`` miss its TPOT target (the batch one larger,
         the context in flight there, the prefill duty cycle routed there)?"""
-        ctx = self.flight.attended(self.perf, engine, req.prompt_tokens)
-        duty = self.routed_work.duty(engine.id, now)
-        tpot = tpot_s(self.perf, engine, req.prompt_tokens, duty=duty, ctx_tokens=ctx)
+        tpot = routed_tpot_s(
+            self.perf, engine, req.prompt_tokens, flight=self.flight, work=self.routed_work, now=now
+        )
         return tpot > req.slo.tpot_s
 
     def _explore(
