@@ -12,6 +12,9 @@
 ARG PYTHON_VERSION=3.12
 
 # --- build: the kvgate wheel, installed with its dependencies into a self-contained venv -----
+# The epp extra (`kvgate epp`, Envoy's API from xds-protos) and the tracing extra (OpenTelemetry)
+# are both in. xds-protos ships an old copy of opentelemetry-proto's modules over that package's
+# files, so opentelemetry-proto is reinstalled after it and both imports are checked.
 FROM python:${PYTHON_VERSION}-slim AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -20,7 +23,11 @@ COPY pyproject.toml README.md ./
 COPY gateway ./gateway
 RUN python -m pip wheel --no-deps --wheel-dir /wheels . \
  && python -m venv /opt/kvgate \
- && /opt/kvgate/bin/pip install /wheels/kvgate-*.whl \
+ && /opt/kvgate/bin/pip install "$(ls /wheels/kvgate-*.whl)[epp,tracing]" \
+ && /opt/kvgate/bin/pip install --force-reinstall --no-deps \
+        "opentelemetry-proto==$(/opt/kvgate/bin/python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')" \
+ && /opt/kvgate/bin/python -c "from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope" \
+ && /opt/kvgate/bin/python -c "import envoy.service.ext_proc.v3.external_processor_pb2" \
  && /opt/kvgate/bin/kvgate --help > /dev/null
 
 # --- runtime: the venv only, run as an unprivileged user -------------------------------------

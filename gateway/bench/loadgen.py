@@ -21,6 +21,8 @@ class ReplayRequest:
     arrival: float
     prompt: str
     output_tokens: int
+    session: str | None = None
+    """Sent as ``x-session-id`` by the live routing benchmark's client (None: no header)."""
 
 
 @dataclass(slots=True)

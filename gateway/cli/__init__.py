@@ -6,10 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from gateway.cli import calibrate, demo, emulate, load, plan, serve, simulate
+from gateway.cli import calibrate, demo, emulate, epp, load, plan, serve, simulate
 from gateway.core.errors import KvgateError
 
-_COMMANDS = (demo, serve, emulate, load, simulate, plan, calibrate)
+_COMMANDS = (demo, serve, epp, emulate, load, simulate, plan, calibrate)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -81,17 +81,33 @@ def wait_healthy(urls: list[str], procs: list[subprocess.Popen[bytes]], timeout:
             time.sleep(0.1)
 
 
-def banner(port: int, model: str, urls: list[str], policy: str, roles: list[str] | None) -> str:
+def adapters(model: str) -> list[str]:
+    """The demo's LoRA adapters (name=path), served by every generate engine."""
+    return [f"{model}-lora-{x}=/adapters/{model}-lora-{x}" for x in ("a", "b")]
+
+
+def banner(
+    port: int,
+    model: str,
+    urls: list[str],
+    policy: str,
+    roles: list[str] | None,
+    *,
+    embed_url: str | None = None,
+) -> str:
     base = f"http://127.0.0.1:{port}"
     if roles is None:
         listing, mode = " ".join(urls), ""
     else:
         listing = " ".join(f"{u} ({r})" for u, r in zip(urls, roles, strict=True))
         mode = ", disaggregated prefill/decode"
+    lora = ", ".join(a.split("=")[0] for a in adapters(model))
+    embed = f"\n  embedding {embed_url} (model {model}-embed, pooling runner)" if embed_url else ""
     return f"""
 kvgate demo: {len(urls)} emulated engines behind the gateway, policy {policy}{mode}
   gateway   {base}/v1   (metrics {base}/metrics, engines {base}/admin/engines)
   engines   {listing}
+  models    {model}, LoRA adapters {lora}{embed}
 
 Try it:
   curl -s {base}/v1/chat/completions -H 'content-type: application/json' \\
@@ -106,6 +122,19 @@ Try it:
   for chunk in stream:
       print(chunk.choices[0].delta.content or "", end="", flush=True)
   print()
+  first = client.responses.create(model="{model}", input="Hi!")       # Responses API
+  second = client.responses.create(model="{model}", input="And?",     # same engine
+                                   previous_response_id=first.id)
+  print(second.output_text)
+  print(len(client.embeddings.create(model="{model}-embed", input="kv").data[0].embedding))
+  PY
+
+  python - <<'PY'
+  import anthropic                                    # Anthropic Messages API
+  client = anthropic.Anthropic(base_url="{base}", api_key="none")
+  msg = client.messages.create(model="{model}-lora-a", max_tokens=32,
+                               messages=[{{"role": "user", "content": "Hello!"}}])
+  print(msg.content[0].text)
   PY
 
 Press Ctrl-C to stop everything.
@@ -126,6 +155,27 @@ def _samples_in_background(base: str, urls: list[str], roles: list[str], model: 
         name="kvgate-demo-samples",
         daemon=True,
     ).start()
+
+
+def emulator(port: int, model: str, time_scale: float, *extra: str) -> subprocess.Popen[bytes]:
+    """One ``kvgate emulate`` process on ``port`` serving ``model`` (quiet logs)."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "emulate",
+            "--port",
+            str(port),
+            "--model",
+            model,
+            "--time-scale",
+            str(time_scale),
+            "--log-level",
+            "warning",
+            *extra,
+        ]
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -156,34 +206,33 @@ def run(args: argparse.Namespace) -> int:
             port = free_port()
             urls.append(f"http://127.0.0.1:{port}")
             procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "gateway.cli",
-                        "emulate",
-                        "--port",
-                        str(port),
-                        "--model",
-                        args.model,
-                        "--preset",
-                        args.preset,
-                        "--time-scale",
-                        str(args.time_scale),
-                        "--seed",
-                        str(i),
-                        "--log-level",
-                        "warning",
-                        *(["--priority-groups"] if args.priority_groups else []),
-                        *(["--role", roles[i]] if args.pd else []),
-                    ]
+                emulator(
+                    port,
+                    args.model,
+                    args.time_scale,
+                    "--preset",
+                    args.preset,
+                    "--seed",
+                    str(i),
+                    *(["--priority-groups"] if args.priority_groups else []),
+                    *(["--role", roles[i]] if args.pd else []),
+                    "--enable-lora",
+                    "--max-loras",
+                    "2",
+                    "--lora-modules",
+                    *adapters(args.model),
                 )
             )
-        wait_healthy(urls, procs, timeout=30)
+        embed_port = free_port()
+        embed_url = f"http://127.0.0.1:{embed_port}"
+        procs.append(
+            emulator(embed_port, f"{args.model}-embed", args.time_scale, "--runner", "pooling")
+        )
+        wait_healthy([*urls, embed_url], procs, timeout=60)
         settings = load_settings(
             engines=[
-                {"url": u, "model": args.model, "role": roles[i] if args.pd else "both"}
-                for i, u in enumerate(urls)
+                *({"url": u, "role": roles[i] if args.pd else "both"} for i, u in enumerate(urls)),
+                {"url": embed_url},
             ],
             policy={"name": args.policy},
             port=args.port,
@@ -192,7 +241,15 @@ def run(args: argparse.Namespace) -> int:
         )
         configure_logging("warning")
         print(
-            banner(args.port, args.model, urls, args.policy, roles if args.pd else None), flush=True
+            banner(
+                args.port,
+                args.model,
+                urls,
+                args.policy,
+                roles if args.pd else None,
+                embed_url=embed_url,
+            ),
+            flush=True,
         )
         if args.pd and args.samples:
             _samples_in_background(f"http://127.0.0.1:{args.port}", urls, roles, args.model)

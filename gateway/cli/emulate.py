@@ -18,6 +18,7 @@ from typing import Any
 from gateway.core.errors import ConfigError
 from gateway.emulator.faults import FAULTS, FaultInjector, parse_fault
 from gateway.emulator.kv_publisher import KVEventsConfig
+from gateway.emulator.lora import parse_lora_modules
 from gateway.emulator.pd import ROLES
 from gateway.emulator.server import create_emulator_app
 from gateway.emulator.state import EmulatorSettings
@@ -136,6 +137,62 @@ def register(sub: Any) -> None:
         "$PYTHONHASHSEED like vLLM)",
     )
     p.add_argument(
+        "--runner",
+        default="generate",
+        choices=("generate", "pooling"),
+        help="vLLM's --runner: generate (completions, chat, responses, messages) or pooling "
+        "(embeddings, pooling, classify, score, rerank); each serves only its routes",
+    )
+    p.add_argument(
+        "--convert",
+        default="embed",
+        choices=("embed", "classify"),
+        help="the pooling task (vLLM's --convert): embed, or classify (a one-label "
+        "cross-encoder); default embed",
+    )
+    p.add_argument(
+        "--transcription",
+        action="store_true",
+        help="emulate a speech-to-text model: also serve /v1/audio/transcriptions and "
+        "/v1/audio/translations (vLLM serves them for Whisper-like models)",
+    )
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (vLLM's flag)")
+    p.add_argument(
+        "--max-loras",
+        type=int,
+        default=1,
+        metavar="N",
+        help="distinct adapters one batch holds (vLLM's flag; default 1)",
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        metavar="R",
+        help="largest adapter rank (vLLM's flag; default 16; accepted, not modelled)",
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters served from the start (name=path or vLLM's JSON form)",
+    )
+    p.add_argument(
+        "--allow-runtime-lora",
+        action="store_true",
+        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM does with "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, which is honoured too)",
+    )
+    p.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=_DEFAULTS.responses_store_size,
+        metavar="N",
+        help="stored /v1/responses kept in this process, oldest dropped "
+        f"(default {_DEFAULTS.responses_store_size})",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="uvicorn log level (default info)"
     )
     p.set_defaults(handler=run)
@@ -168,6 +225,11 @@ def settings_from_args(args: argparse.Namespace) -> EmulatorSettings:
         if events_json
         else None
     )
+    lora_modules = parse_lora_modules(getattr(args, "lora_modules", None) or [])
+    for flag in ("max_loras", "max_lora_rank", "responses_store_size"):
+        value = getattr(args, flag, 1)
+        if value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
     return EmulatorSettings(
         model=args.model,
         preset=args.preset,
@@ -186,6 +248,15 @@ def settings_from_args(args: argparse.Namespace) -> EmulatorSettings:
         fault=fault,
         fault_admin=bool(getattr(args, "fault_admin", False)),
         kv_events=kv_events,
+        runner=getattr(args, "runner", "generate"),
+        convert=getattr(args, "convert", "embed"),
+        transcription=bool(getattr(args, "transcription", False)),
+        enable_lora=bool(getattr(args, "enable_lora", False)),
+        max_loras=getattr(args, "max_loras", 1),
+        max_lora_rank=getattr(args, "max_lora_rank", 16),
+        lora_modules=lora_modules,
+        allow_runtime_lora=bool(getattr(args, "allow_runtime_lora", False)),
+        responses_store_size=getattr(args, "responses_store_size", _DEFAULTS.responses_store_size),
     )
 
 
@@ -223,7 +294,8 @@ def run(args: argparse.Namespace) -> int:
         raise
     print(
         f"kvgate emulate: serving {settings.model!r} on http://{args.host}:{port} "
-        f"(preset {settings.preset}, time scale {settings.time_scale}, role {settings.role})",
+        f"(preset {settings.preset}, time scale {settings.time_scale}, role {settings.role}, "
+        f"runner {settings.runner})",
         file=sys.stderr,
         flush=True,
     )

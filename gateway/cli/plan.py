@@ -11,6 +11,7 @@ from typing import Any
 
 from gateway.cli.simulate import (
     add_workload_args,
+    apply_lora_args,
     check_policy_names,
     load_cli_workload,
     parse_policy_options,
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     policy_options = parse_policy_options(args.policy_option, [*names, *pd])
     for name in (*names, *pd):  # fail on bad knobs before loading a large trace
         create_policy(name, options=policy_options.get(name))
-    perf = load_preset(args.preset)
+    perf = apply_lora_args(load_preset(args.preset), args)
     say = progress_printer(args.quiet)
     started = time.perf_counter()
     workload = load_cli_workload(args, perf.block_size)

@@ -26,6 +26,21 @@ def register(sub: Any) -> None:
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    add_routing_flags(p)
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default 8000)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N gateway processes sharing the port (SO_REUSEPORT), each a replica with "
+        "the same settings; a supervisor restarts a worker that dies (default 1)",
+    )
+
+
+def add_routing_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the routing service: every front end (``serve``, ``epp``) has them."""
     p.add_argument("--config", metavar="FILE", help="YAML settings file")
     p.add_argument(
         "--engine",
@@ -56,19 +71,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="a knob of the policy, e.g. cache_threshold=0.5",
     )
-    p.add_argument("--host", help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="listen port (default 8000)")
     p.add_argument("--block-size", type=int, metavar="N", help="engine KV block size (default 16)")
     p.add_argument("--admin-key", metavar="KEY", help="protect /admin routes with this key")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    p.add_argument(
-        "--workers",
-        type=int,
-        default=1,
-        metavar="N",
-        help="run N gateway processes sharing the port (SO_REUSEPORT), each a replica with "
-        "the same settings; a supervisor restarts a worker that dies (default 1)",
-    )
     p.add_argument(
         "--record",
         metavar="PATH",
@@ -79,8 +84,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {
-        "host": args.host,
-        "port": args.port,
+        "host": getattr(args, "host", None),  # kvgate epp's --host/--port are gRPC's
+        "port": getattr(args, "port", None),
         "block_size": args.block_size,
         "admin_key": args.admin_key,
         "log_level": args.log_level,

@@ -9,8 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import yaml
+from pydantic import ValidationError
+
 from gateway.config import DEFAULT_POLICY
+from gateway.config_flow import FlowControlConfig
 from gateway.core.errors import ConfigError
+from gateway.perfmodel.model import PerfModel
 from gateway.perfmodel.presets import DEFAULT_PRESET, load_preset
 from gateway.policies.registry import POLICIES, create_policy
 from gateway.sim.bound import attach_bound
@@ -84,6 +89,19 @@ def register(sub: Any) -> None:
         action="store_true",
         help="do not measure decision time (results become byte-identical per seed)",
     )
+    p.add_argument(
+        "--hide-adapters",
+        action="store_true",
+        help="policies see no LoRA adapter residency (as a gateway that does not read "
+        "vllm:lora_requests_info): the adapter filter keeps every engine",
+    )
+    p.add_argument(
+        "--flow-control",
+        default=None,
+        metavar="on|FILE",
+        help="flow control in front of the policy, as kvgate serve runs it: 'on' (its "
+        "defaults) or a kvgate YAML config whose flow_control: section is used (default off)",
+    )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument(
         "--out", default="kvgate-sim", metavar="DIR", help="output directory (default ./kvgate-sim)"
@@ -129,8 +147,50 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         metavar="POLICY.KEY=VALUE",
         help="set a policy knob, e.g. cache_aware.cache_threshold=0.5",
     )
+    p.add_argument(
+        "--max-loras",
+        type=int,
+        default=None,
+        metavar="N",
+        help="LoRA adapters one engine batches at once, vLLM's --max-loras (default: the "
+        "preset's, 1)",
+    )
+    p.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        metavar="N",
+        help="adapters an engine keeps in its CPU cache (default: the preset's, 0 = max-loras)",
+    )
+    p.add_argument(
+        "--lora-load-s",
+        type=float,
+        default=None,
+        metavar="SEC",
+        help="seconds a step takes longer per adapter read from disk (default: the preset's)",
+    )
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed (default 0)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def apply_lora_args(perf: PerfModel, args: argparse.Namespace) -> PerfModel:
+    """The preset with ``--max-loras``, ``--max-cpu-loras`` and ``--lora-load-s`` applied."""
+    changes: dict[str, Any] = {
+        field: value
+        for field, value in (
+            ("max_loras", args.max_loras),
+            ("max_cpu_loras", args.max_cpu_loras),
+            ("lora_load_s", args.lora_load_s),
+        )
+        if value is not None
+    }
+    if not changes:
+        return perf
+    try:
+        return perf.with_overrides(**changes)
+    except ValueError as exc:
+        flags = str(exc).split(" in preset")[0].replace("_", "-")
+        raise ConfigError(f"--{flags}") from None
 
 
 def check_policy_names(names: list[str]) -> None:
@@ -191,6 +251,29 @@ def parse_policy_options(items: list[str], policies: list[str]) -> dict[str, dic
     return out
 
 
+def flow_control_spec(value: str | None) -> dict[str, Any]:
+    """``ClusterSpec`` fields of ``--flow-control``: none (off), the defaults (``on``), or
+    the ``flow_control:`` section of a kvgate config file."""
+    if value is None:
+        return {}
+    section: Any = {}
+    if value != "on":
+        try:
+            loaded = yaml.safe_load(Path(value).read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"--flow-control {value}: {exc}") from None
+        section = loaded.get("flow_control", {}) if isinstance(loaded, dict) else None
+    try:
+        cfg = FlowControlConfig.model_validate(section)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "flow_control"
+        raise ConfigError(f"--flow-control {value}: {where}: {first['msg']}") from None
+    if not cfg.enabled:
+        return {}
+    return {"flow": cfg.flow_settings(), "saturation": cfg.saturation_settings()}
+
+
 def run(args: argparse.Namespace) -> int:
     for name in ("instances", "rate_scale", "limit", "ttft_slo", "tpot_slo", "block_size"):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
@@ -201,7 +284,8 @@ def run(args: argparse.Namespace) -> int:
     policy_options = parse_policy_options(args.policy_option, policies)
     for name in policies:  # fail on bad knobs before loading a large trace
         create_policy(name, options=policy_options.get(name))
-    perf = load_preset(args.preset)
+    flow = flow_control_spec(args.flow_control)  # a bad section fails before the trace loads
+    perf = apply_lora_args(load_preset(args.preset), args)
     if args.block_size is not None:
         perf = perf.with_overrides(block_size=args.block_size)
     say = progress_printer(args.quiet)
@@ -216,6 +300,8 @@ def run(args: argparse.Namespace) -> int:
             priority_groups=args.priority_groups,
             prefill_instances=args.prefill_instances,
             kv_bandwidth_gbps=args.kv_bandwidth,
+            adapter_view=not args.hide_adapters,
+            **flow,
         ),
         seed=args.seed,
         capacity=args.capacity,

@@ -2,9 +2,10 @@
 
 Each engine has a state the router keeps: health (passive from request
 failures, active from probes), the last scraped vLLM metrics, the models it
-serves, and the prompt tokens the router has sent it that have not produced
-a first token yet (its pending prefill estimate). :meth:`EngineRegistry.view`
-turns this into the :class:`ClusterView` policies decide on.
+serves (base models and LoRA adapters, re-read by the monitor), the adapters of
+the requests it has in flight there, and the prompt tokens the router has sent
+it that have not produced a first token yet (its pending prefill estimate).
+:meth:`EngineRegistry.view` turns this into the :class:`ClusterView` policies decide on.
 
 Health is a circuit breaker per engine (:mod:`gateway.cluster.breaker`): request
 failures and failed probes open it, a cooldown with jittered exponential backoff
@@ -51,6 +52,26 @@ class EngineMetrics:
     num_gpu_blocks: int | None = None
     hash_algo: str | None = None
     prefix_caching: bool | None = None
+    max_lora: int | None = None
+    """``--max-loras`` from ``vllm:lora_requests_info``; None when the engine exports none."""
+    lora_running: tuple[str, ...] = ()
+    """Adapters with requests running in the engine's batch (its latest sample)."""
+    lora_waiting: tuple[str, ...] = ()
+    """Adapters with requests waiting in the engine's queue (its latest sample)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapter:
+    """A LoRA adapter an engine lists in ``/v1/models`` (``parent``: its base model,
+    ``root``: the path vLLM loaded it from, which enters vLLM's block hashes)."""
+
+    name: str
+    base: str
+    path: str = ""
+
+
+MAX_LORA_REQUESTS_TRACKED = 65_536
+"""In-flight requests per engine whose adapter the registry remembers (beyond: not counted)."""
 
 
 @dataclass(slots=True)
@@ -63,6 +84,9 @@ class EngineState:
     configured_model: str | None = None
     api_key: str | None = None
     models: tuple[str, ...] = ()
+    """Every model name the engine serves: base models and LoRA adapters."""
+    lora: dict[str, LoraAdapter] = field(default_factory=dict)
+    """The adapters among ``models``, by name."""
     health: Health = Health.UNKNOWN
     consecutive_failures: int = 0
     consecutive_successes: int = 0
@@ -74,7 +98,28 @@ class EngineState:
     down_until: float = 0.0
     retired: bool = False
     pending_by_request: dict[str, int] = field(default_factory=dict)
+    pending_since: dict[str, float] = field(default_factory=dict)
+    """When each pending request was routed here (flow control's drain estimate)."""
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    lora_by_request: dict[str, str] = field(default_factory=dict)
+    """The adapter of each request this gateway has in flight on the engine (bounded:
+    :data:`MAX_LORA_REQUESTS_TRACKED`)."""
+    models_checked: float | None = None
+    """When ``/v1/models`` was last read (successfully or not); None before the first read."""
+    models_stale: bool = False
+    """Re-read ``/v1/models`` at the next monitor round (the engine answered 404 for a model)."""
+    model_refreshes: int = 0
+    """Reads of ``/v1/models`` that succeeded."""
+    model_refresh_failures: int = 0
+
+    def lora_resident(self) -> frozenset[str]:
+        """Adapters in the engine's batch as last scraped, plus those of requests this
+        gateway has in flight there (known before the next scrape)."""
+        m = self.metrics
+        scraped = (*m.lora_running, *m.lora_waiting) if m is not None else ()
+        if not scraped and not self.lora_by_request:
+            return frozenset()
+        return frozenset(scraped).union(self.lora_by_request.values())
 
     @property
     def routable(self) -> bool:
@@ -175,6 +220,16 @@ class EngineRegistry:
                     seen.setdefault(m, None)
         return list(seen)
 
+    def lora_adapter(self, model: str | None) -> LoraAdapter | None:
+        """The adapter ``model`` names on some engine, or None for a base model."""
+        if not model:
+            return None
+        for e in self._engines.values():
+            adapter = e.lora.get(model)
+            if adapter is not None:
+                return adapter
+        return None
+
     def known_models(self) -> set[str]:
         """Models any registered engine serves or served, routable or not."""
         return {m for e in self._engines.values() for m in e.models}
@@ -240,17 +295,21 @@ class EngineRegistry:
         e.consecutive_failures = max(b.failures, 1)
         return change is not None and change[1] is BreakerState.OPEN
 
-    def begin_attempt(self, engine_id: str, request_id: str) -> None:
+    def begin_attempt(self, engine_id: str, request_id: str, lora: str = "") -> None:
         """A request goes to the engine; in half-open it holds a trial slot until
-        :meth:`end_attempt` (call both; the end is idempotent)."""
+        :meth:`end_attempt` (call both; the end is idempotent). ``lora``: the request's
+        adapter, which counts as resident on the engine until the end."""
         e = self._engines.get(engine_id)
         if e is not None:
             e.breaker.begin(request_id)
+            if lora and len(e.lora_by_request) < MAX_LORA_REQUESTS_TRACKED:
+                e.lora_by_request[request_id] = lora
 
     def end_attempt(self, engine_id: str, request_id: str) -> None:
         e = self._engines.get(engine_id)
         if e is not None:
             e.breaker.end(request_id)
+            e.lora_by_request.pop(request_id, None)
 
     def retry_after(self, now: float) -> int:
         """Seconds until the first open engine turns half-open (1 when none is open)."""
@@ -292,6 +351,7 @@ class EngineRegistry:
         if e is not None and tokens > 0:
             e.pending_by_request[request_id] = tokens
             e.pending_tokens += tokens
+            e.pending_since[request_id] = self.clock()
         if self.on_load_change is not None:  # a routed request: the peers hear of it now
             self.on_load_change()
 
@@ -299,8 +359,19 @@ class EngineRegistry:
         e = self._engines.get(engine_id)
         if e is not None:
             e.pending_tokens -= e.pending_by_request.pop(request_id, 0)
+            e.pending_since.pop(request_id, None)
         if self.on_load_change is not None:
             self.on_load_change()
+
+    def pending_log(self, engine_id: str) -> list[tuple[float, int]]:
+        """This replica's pending requests on ``engine_id``: (seconds since routed, tokens),
+        oldest first."""
+        e = self._engines.get(engine_id)
+        if e is None:
+            return []
+        now, since = self.clock(), e.pending_since
+        ages = ((now - since.get(r, now), n) for r, n in e.pending_by_request.items())
+        return sorted(ages, reverse=True)
 
     # -- the policies' view --------------------------------------------------------
     def view(
@@ -337,6 +408,8 @@ class EngineRegistry:
                     in_flight=in_flight.get(e.id, 0) + peer_n,
                     router_queued=queues.count(e.id) if queues is not None else 0,
                     router_queued_tokens=queues.tokens(e.id) if queues is not None else 0,
+                    lora_resident=e.lora_resident(),
+                    max_lora=(m.max_lora or 0) if m else 0,
                 )
             )
         return ClusterView(tuple(views))

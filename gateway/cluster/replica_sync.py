@@ -20,6 +20,19 @@ the same settings form one group (per ``subject``).
 Memory: one snapshot per live peer (engines x 2 integers). Staleness of a peer's
 numbers: a routing decision reaches the peers after one event-loop turn plus NATS
 delivery (about a millisecond on one host); a finished request within ``interval_s``.
+
+**Affinity bindings.** Key -> engine tables (:class:`~gateway.policies.affinity_table.
+AffinityTable`) registered by name with :meth:`NatsReplicaSync.share_table` are shared
+too: :meth:`NatsReplicaSync.publish_binding` (table name, key, engine, TTL) queues a
+binding, sent with the others of the same event-loop turn on ``SUBJECT.affinity``;
+each peer puts it into its own table of that name for the remaining TTL (a table
+nobody registered is skipped). The gateway shares ``session`` (a session's engine,
+published at each of its turns) and ``response`` (the engine that stored a Responses
+API response). Messages are ``[version, replica, [[table, key, engine, ttl_s], ..]]``
+(msgpack, version :data:`AFFINITY_VERSION`); a replica ignores other versions, and a
+replica older than this format never subscribes to that subject. Bounded: at most
+``max_pending_bindings`` queued (more are dropped and counted: fire and forget, the
+next turn of a session publishes it again), :data:`BINDINGS_PER_MESSAGE` per message.
 """
 
 from __future__ import annotations
@@ -37,6 +50,8 @@ from typing import Any
 
 import msgspec
 
+from gateway.policies.affinity_table import AffinityTable
+
 log = logging.getLogger("kvgate.replicas")
 
 Snapshot = dict[str, tuple[int, int]]
@@ -52,6 +67,18 @@ class _Message(msgspec.Struct, array_like=True):
 
 _ENC = msgspec.msgpack.Encoder()
 _DEC = msgspec.msgpack.Decoder(_Message)
+
+AFFINITY_VERSION = 1
+"""Version of the affinity messages; a replica applies only its own version."""
+BINDINGS_PER_MESSAGE = 256
+Binding = tuple[str, str, str, float]
+"""(table name, key, engine, remaining TTL in seconds)."""
+
+
+class _Affinity(msgspec.Struct, array_like=True):
+    version: int
+    replica: str
+    bindings: list[Binding]
 
 
 def default_replica_id() -> str:
@@ -142,14 +169,29 @@ class NatsReplicaSync:
         subject: str = "kvgate.load",
         interval_s: float = 0.02,
         heartbeat_s: float = 1.0,
+        max_pending_bindings: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.url = url
         self.local = local
         self.peers = peers
         self.subject = subject
+        self.affinity_subject = f"{subject}.affinity"
+        self.clock = clock
+        """The clock the shared tables are read with (the dispatcher's ``now``)."""
+        self.max_pending_bindings = max_pending_bindings
+        self._tables: dict[str, AffinityTable] = {}
+        self._pending: dict[tuple[str, str], tuple[str, float]] = {}
+        self.bindings_published = 0
+        self.bindings_applied = 0
+        self.bindings_dropped = 0
+        self.bindings_rejected = 0
         self.interval_s = interval_s
         self.heartbeat_s = heartbeat_s
         self.published = 0
+        self.connect_failures = 0
+        """Failed connection attempts and transport errors (no server yet, a lost link): the
+        sync keeps retrying."""
         self._seq = 0
         self._nc: Any = None
         self._task: asyncio.Task[None] | None = None
@@ -158,6 +200,52 @@ class NatsReplicaSync:
     def poke(self) -> None:
         """Our load just changed: publish it now (coalesced with other changes this turn)."""
         self._wake.set()
+
+    def share_table(self, name: str, table: AffinityTable) -> None:
+        """Apply the peers' bindings of table ``name`` to ``table`` (this replica's)."""
+        self._tables[name] = table
+
+    def publish_binding(self, table: str, key: str, engine: str, ttl_s: float) -> None:
+        """Tell the peers that ``key`` of ``table`` is bound to ``engine`` for ``ttl_s``.
+
+        Never blocks: queued for this turn's message (the latest binding of a key wins);
+        past ``max_pending_bindings`` queued it is dropped and counted."""
+        pending = self._pending
+        slot = (table, key)
+        if slot not in pending and len(pending) >= self.max_pending_bindings:
+            self.bindings_dropped += 1
+            return
+        pending[slot] = (engine, ttl_s)
+        self._wake.set()
+
+    def apply_affinity(self, data: bytes) -> None:
+        """One message from ``SUBJECT.affinity`` (ours, other versions, malformed: ignored)."""
+        try:
+            raw = msgspec.msgpack.decode(data)
+            if not isinstance(raw, list) or not raw or raw[0] != AFFINITY_VERSION:
+                raise msgspec.ValidationError("not an affinity message of this version")
+            msg = msgspec.convert(raw, _Affinity)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.bindings_rejected += 1
+            return
+        if msg.replica == self.peers.replica_id:
+            return
+        now = self.clock()
+        for name, key, engine, ttl_s in msg.bindings:
+            table = self._tables.get(name)
+            if table is not None and ttl_s > 0:
+                table.put(key, engine, now, ttl_s=min(ttl_s, table.ttl_s))
+                self.bindings_applied += 1
+
+    def _affinity_messages(self) -> list[bytes]:
+        """The queued bindings as messages (and the queue emptied)."""
+        items = [(t, k, e, ttl) for (t, k), (e, ttl) in self._pending.items()]
+        self._pending = {}
+        me = self.peers.replica_id
+        return [
+            _ENC.encode(_Affinity(AFFINITY_VERSION, me, items[i : i + BINDINGS_PER_MESSAGE]))
+            for i in range(0, len(items), BINDINGS_PER_MESSAGE)
+        ]
 
     @property
     def connected(self) -> bool:
@@ -196,14 +284,24 @@ class NatsReplicaSync:
                     allow_reconnect=True,
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5,
+                    error_cb=self._on_error,
                 )
             except Exception as exc:  # no server yet: keep routing on our own load, retry
+                self.connect_failures += 1
                 log.warning("replica sync: cannot reach %s (%r); retrying", self.url, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
+    async def _on_error(self, exc: Exception) -> None:
+        self.connect_failures += 1
+        level = logging.WARNING if self.connect_failures % 100 == 1 else logging.DEBUG
+        log.log(level, "replica sync: %s: %r (retrying)", self.url, exc)
+
     async def _on_msg(self, msg: Any) -> None:
         self.peers.apply(msg.data)
+
+    async def _on_affinity(self, msg: Any) -> None:
+        self.apply_affinity(msg.data)
 
     def _encode(self, loads: Snapshot, *, bye: bool = False) -> bytes:
         self._seq += 1
@@ -212,6 +310,7 @@ class NatsReplicaSync:
     async def _run(self) -> None:
         self._nc = nc = await self._connect()
         await nc.subscribe(self.subject, cb=self._on_msg)
+        await nc.subscribe(self.affinity_subject, cb=self._on_affinity)
         log.info(
             "replica load sync on",
             extra={"url": self.url, "subject": self.subject, "replica": self.peers.replica_id},
@@ -229,6 +328,14 @@ class NatsReplicaSync:
                     last, last_sent = snap, now
                 except Exception as exc:  # reconnecting: the next round sends the snapshot
                     log.debug("replica sync publish failed: %r", exc)
+            if self._pending and nc.is_connected:
+                sent = len(self._pending)
+                try:
+                    for data in self._affinity_messages():
+                        await nc.publish(self.affinity_subject, data)
+                    self.bindings_published += sent
+                except Exception as exc:  # fire and forget: the next turn publishes again
+                    log.debug("replica sync: bindings not published: %r", exc)
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.interval_s):

@@ -4,11 +4,18 @@ Reads the text format with prometheus_client's parser. Series are summed over
 the ``engine`` label (one per DP rank); KV usage takes the fullest rank.
 Handles vLLM >= 0.11 names and falls back to the pre-0.11 ``gpu_*`` ones.
 ``vllm:cache_config_info`` gives the engine's real block size and KV blocks.
+``vllm:lora_requests_info`` (an info gauge whose value vLLM sets to the time of
+its last update, one series per label set ever seen) gives ``--max-loras`` and
+the adapters running and waiting: the series with the latest value is the
+engine's state now. At most :data:`MAX_LORA_NAMES` names per list are kept.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from gateway.cluster.registry import EngineMetrics
 
@@ -29,7 +36,11 @@ class MetricsParseError(ValueError):
     """The page is not Prometheus text, or has no vLLM metric at all."""
 
 
-_WANTED = tuple(sorted({*_SUM, *_MAX, "vllm:cache_config_info"}))
+_LORA_INFO = "vllm:lora_requests_info"
+MAX_LORA_NAMES = 256
+"""Adapters kept per list (running, waiting) of one scrape."""
+
+_WANTED = tuple(sorted({*_SUM, *_MAX, "vllm:cache_config_info", _LORA_INFO}))
 
 
 def _relevant(text: str) -> str:
@@ -67,6 +78,10 @@ def parse_vllm_metrics(text: str) -> EngineMetrics:
                         sample.labels.get("num_gpu_blocks"), out.num_gpu_blocks
                     )
                 continue
+            if name == _LORA_INFO:
+                seen = True
+                _read_lora_info(family.samples, out)
+                continue
             field = _SUM.get(name)
             if field is not None:
                 seen = True
@@ -88,6 +103,21 @@ def parse_vllm_metrics(text: str) -> EngineMetrics:
     if not seen:
         raise MetricsParseError("no vLLM metrics on the page")
     return out
+
+
+def _read_lora_info(samples: Sequence[Sample], out: EngineMetrics) -> None:
+    latest = max(samples, key=lambda s: s.value, default=None)
+    if latest is None:
+        return
+    labels = latest.labels
+    out.max_lora = _int_label(labels.get("max_lora"), out.max_lora)
+    out.lora_running = _names(labels.get("running_lora_adapters", ""))
+    out.lora_waiting = _names(labels.get("waiting_lora_adapters", ""))
+
+
+def _names(joined: str) -> tuple[str, ...]:
+    names = (n.strip() for n in joined.split(","))
+    return tuple(n for n in names if n)[:MAX_LORA_NAMES]
 
 
 def _int_label(raw: str | None, default: int | None) -> int | None:

@@ -168,3 +168,13 @@ def hashes_from_segments(
 def _check_block_size(block_size: int) -> None:
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+
+
+def partition_seed(seed: int, lora: str = "", cache_salt: str = "") -> int:
+    """The hash seed of one cache partition: vLLM shares no block between LoRA adapters
+    (the adapter enters every block's hash) nor between cache salts (the salt enters the
+    first block's, hence every chained one). The base model without a salt keeps ``seed``."""
+    if not lora and not cache_salt:
+        return seed
+    tag = ("lora\x00" + lora + "\x00salt\x00" + cache_salt).encode("utf-8", "surrogatepass")
+    return (seed ^ _xxh(tag)) & _M64

@@ -63,6 +63,14 @@ class RequestInfo:
     slo: SloClass = DEFAULT_SLO
     model: str = ""
     max_tokens: int | None = None
+    lora: str = ""
+    """The LoRA adapter the request runs with (its model name), "" for a base model."""
+    session: str = ""
+    """The client's session (agent or conversation) id, "" when it sent none."""
+    tenant: str = ""
+    """Who sent it (flow control's fairness unit: a hashed API key or a configured header)."""
+    priority: int = 0
+    """vLLM's ``priority`` (lower is served first), as flow control read it."""
 
     @property
     def num_blocks(self) -> int:
@@ -88,6 +96,10 @@ class EngineView:
     in_flight: int = 0
     router_queued: int = 0
     router_queued_tokens: int = 0
+    lora_resident: frozenset[str] = frozenset()
+    """LoRA adapters in the engine's batch now (running or waiting: ``vllm:lora_requests_info``)."""
+    max_lora: int = 0
+    """Adapters the engine batches at once (``--max-loras``); 0 when unknown or no LoRA."""
 
     @property
     def serves_prefill(self) -> bool:

@@ -26,7 +26,8 @@ import logging
 from collections.abc import Sequence
 from typing import Protocol
 
-from gateway.core.blocks import hashes_from_tokens
+from gateway.core.blocks import hashes_from_tokens, partition_seed
+from gateway.core.vllm_hash import LoraKey
 from gateway.emulator.handle import (
     EngineDeadError,
     GenerationHandle,
@@ -198,32 +199,47 @@ class EngineDriver:
         remote_tokens: int = 0,
         arrival: float | None = None,
         pin_id: str | None = None,
+        lora: LoraKey | None = None,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
     ) -> GenerationHandle:
         """Queue a generation of at most ``max_tokens`` tokens for ``token_ids``.
 
         ``remote_tokens`` of the prompt arrive from a prefill engine (whole blocks
         are loaded); ``arrival`` (virtual, not later than now) backdates the request,
         e.g. to before its KV transfer; ``pin_id`` pins its prompt KV when it ends.
+        ``lora`` (the adapter) and ``cache_salt`` select the request's prefix-cache
+        partition, as in vLLM: blocks are shared only within one (adapter, salt).
         """
         digest, output, reason = self.validate(
             token_ids, max_tokens=max_tokens, ignore_eos=ignore_eos
         )
         self._next_id += 1
         now = self.now()
+        name = lora.name if lora is not None else ""
+        seed = partition_seed(0, lora=name, cache_salt=cache_salt or "")
         req = EngineRequest(
             id=f"req-{self._next_id}",
             prompt_tokens=len(token_ids),
-            block_hashes=hashes_from_tokens(token_ids, self.model.block_size),
+            block_hashes=hashes_from_tokens(token_ids, self.model.block_size, seed),
             output_tokens=output,
             arrival=now if arrival is None else min(arrival, now),
             remote_tokens=max(0, remote_tokens),
+            lora=name,
         )
         self._last_arrival = now
         handle = GenerationHandle(req, digest=digest, max_tokens=max_tokens, finish_reason=reason)
         handle.pin_id = pin_id
         req.payload = handle
         if self.kv_events is not None:
-            self.kv_events.on_submit(req.id, token_ids, req.block_hashes)
+            self.kv_events.on_submit(
+                req.id,
+                token_ids,
+                req.block_hashes,
+                lora=lora,
+                cache_salt=cache_salt,
+                lora_id=lora_id,
+            )
         self.core.submit(req)
         self._handles[req.id] = handle
         self._wake.set()

@@ -7,17 +7,17 @@ streamed); a decode leg pulls its prompt KV first, then computes the rest.
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
 
 from gateway.core.errors import KvgateError
-from gateway.emulator.driver import EngineDeadError, EngineDriver, GenerationHandle
+from gateway.emulator.driver import EngineDeadError, GenerationHandle
+from gateway.emulator.engine_call import GenerationStream, wait_or_disconnect
+from gateway.emulator.lora import check_cache_salt
 from gateway.emulator.pd import (
     DecodeLeg,
     KvEndpoint,
@@ -43,27 +43,6 @@ from gateway.emulator.state import EmulatorState, StateDep
 from gateway.emulator.tokenizer import render_chat
 
 router = APIRouter()
-
-
-class _GenerationStream(StreamingResponse):
-    """An SSE response that aborts its engine request however the stream ends."""
-
-    def __init__(self, body: AsyncIterator[str], driver: EngineDriver, handle_id: str) -> None:
-        super().__init__(body, media_type="text/event-stream")
-        self._driver = driver
-        self._handle_id = handle_id
-
-    async def listen_for_disconnect(self, receive: Receive) -> None:
-        # Abort at once: the engine request is freed and the event stream ends at its
-        # next delta, even if the cancellation of the sending task is delivered late.
-        await super().listen_for_disconnect(receive)
-        self._driver.abort(self._handle_id)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._driver.abort(self._handle_id)  # no-op when it finished normally
 
 
 async def _events(
@@ -118,6 +97,7 @@ async def _submit(
     token_ids: list[int],
     max_tokens: int,
     body: CompletionRequest | ChatRequest,
+    lora: str,
 ) -> tuple[GenerationHandle, KvEndpoint | None]:
     """Queue the generation; a decode leg pulls its KV first, a prefill leg pins it after."""
     remote, arrival, pin_id, endpoint = 0, None, None, None
@@ -134,15 +114,13 @@ async def _submit(
         remote_tokens=remote,
         arrival=arrival,
         pin_id=pin_id,
+        lora=state.lora.key(lora),
+        lora_id=state.lora.ids.get(lora),
+        cache_salt=body.cache_salt,
     )
     if isinstance(leg, DecodeLeg):
         handle.reported_cached = leg.cached_tokens
     return handle, endpoint
-
-
-async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _respond(
@@ -153,6 +131,7 @@ async def _respond(
     token_ids: list[int],
     max_tokens: int,
     body: CompletionRequest | ChatRequest,
+    lora: str = "",
 ) -> Response:
     leg: Leg | None = parse_leg(body.kv_transfer_params, state.settings.role)
     options = body.stream_options
@@ -170,7 +149,14 @@ async def _respond(
             state.kv.notify(leg)
         raise
     handle, endpoint = await _submit(
-        request, state, leg, shape=shape, token_ids=token_ids, max_tokens=max_tokens, body=body
+        request,
+        state,
+        leg,
+        shape=shape,
+        token_ids=token_ids,
+        max_tokens=max_tokens,
+        body=body,
+        lora=lora,
     )
     if body.stream:
         continuous = bool(options and options.continuous_usage_stats)
@@ -178,19 +164,10 @@ async def _respond(
         events = _events(
             state, handle, shape, include_usage=include, continuous=continuous, endpoint=endpoint
         )
-        return _GenerationStream(events, driver, handle.id)
-    waiter = asyncio.ensure_future(handle.wait())
-    listener = asyncio.ensure_future(_until_disconnect(request))
-    try:
-        await asyncio.wait({waiter, listener}, return_when=asyncio.FIRST_COMPLETED)
-        if not waiter.done():  # the client went away first
-            return Response(status_code=499)
-        reason = waiter.result()
-    finally:
-        driver.abort(handle.id)  # no-op when it finished
-        for task in (waiter, listener):
-            task.cancel()
-        await asyncio.wait({waiter, listener})
+        return GenerationStream(events, driver, handle.id)
+    reason = await wait_or_disconnect(request, driver, handle)
+    if reason is None:  # the client went away first
+        return Response(status_code=499)
     text = state.text(handle, 0, handle.produced)
     block = usage(handle.prompt_tokens, handle.produced, handle.cached_tokens)
     final = shape.final(text, reason, block)
@@ -234,21 +211,23 @@ def chat_prompt(body: ChatRequest | TokenizeRequest, messages: list[dict[str, An
 @router.post("/v1/completions")
 async def completions(request: Request, state: StateDep) -> Response:
     body = parse_body(await request.body(), CompletionRequest)
-    state.check_model(body.model)
+    check_cache_salt(body.cache_salt)
+    lora = state.check_model(body.model)
     ids = prompt_ids(state, body.prompt)
     limit = state.perf.max_model_len
     max_tokens = body.max_tokens if body.max_tokens is not None else max(1, limit - len(ids))
     rid = request_id(request.headers.get("x-request-id"), body.request_id)
-    shape = ResponseShape("completion", rid, state.settings.model)
+    shape = ResponseShape("completion", rid, state.served_name(lora))
     return await _respond(
-        request, state, shape=shape, token_ids=ids, max_tokens=max_tokens, body=body
+        request, state, shape=shape, token_ids=ids, max_tokens=max_tokens, body=body, lora=lora
     )
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, state: StateDep) -> Response:
     body = parse_body(await request.body(), ChatRequest)
-    state.check_model(body.model)
+    check_cache_salt(body.cache_salt)
+    lora = state.check_model(body.model)
     ids = state.tokenizer.encode(chat_prompt(body, body.messages))
     requested = body.max_completion_tokens
     if requested is None:
@@ -256,7 +235,7 @@ async def chat_completions(request: Request, state: StateDep) -> Response:
     limit = state.perf.max_model_len
     max_tokens = requested if requested is not None else max(1, limit - len(ids))
     rid = request_id(request.headers.get("x-request-id"), body.request_id)
-    shape = ResponseShape("chat", rid, state.settings.model)
+    shape = ResponseShape("chat", rid, state.served_name(lora))
     return await _respond(
-        request, state, shape=shape, token_ids=ids, max_tokens=max_tokens, body=body
+        request, state, shape=shape, token_ids=ids, max_tokens=max_tokens, body=body, lora=lora
     )

@@ -20,7 +20,9 @@ full blocks of token ids, seeded as vLLM seeds them (``PYTHONHASHSEED`` or
 its own block hashes inside, and this module maps them. Differences from vLLM:
 every ``tcp://`` endpoint is bound (vLLM connects to a non-wildcard host), blocks of
 generated tokens are not cached (so never announced), one ``BlockStored`` per
-request and step.
+request and step. A LoRA request's blocks carry ``("lora", name, path)`` in their
+hash and ``lora_name`` / ``lora_id`` / ``extra_keys`` (``(name,)`` per block) in the
+event; a ``cache_salt`` enters the first block's hash and extra keys, as in vLLM 0.32.
 
 Memory: the id map holds one entry per block the engine caches or an in-flight
 request will compute (bounded by its KV pool plus in-flight prompts), token ids only
@@ -44,7 +46,7 @@ import zmq
 import zmq.asyncio
 
 from gateway.core.errors import ConfigError
-from gateway.core.vllm_hash import ALGORITHMS, block_ids
+from gateway.core.vllm_hash import ALGORITHMS, LoraKey, block_ids, event_extra_keys
 from gateway.perfmodel.kvcache import BlockPool
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ class _Stored(msgspec.Struct, tag="BlockStored", omit_defaults=True):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list[tuple[str, ...] | None] | None = None
 
 
 class _Removed(msgspec.Struct, tag="BlockRemoved", omit_defaults=True):
@@ -78,6 +81,20 @@ class _Cleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=True):
 
 
 _ENCODER = msgspec.msgpack.Encoder()
+
+
+@dataclass(frozen=True, slots=True)
+class _BlockInfo:
+    """One block's event fields: parent id, token ids, adapter, untagged extra keys."""
+
+    parent: int | None
+    tokens: tuple[int, ...]
+    lora_name: str | None = None
+    lora_id: int | None = None
+    extra: tuple[str, ...] | None = None
+
+
+_NO_BLOCK = _BlockInfo(None, ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,8 +190,8 @@ class KVEventPublisher:
         self.replay_endpoint = config.replay_endpoint
         self._ids: dict[int, int] = {}
         """Engine block hash -> vLLM block id: blocks cached, or of an in-flight request."""
-        self._blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}
-        """Engine block hash -> (parent id, token ids) while an in-flight request has it."""
+        self._blocks: dict[int, _BlockInfo] = {}
+        """Engine block hash -> what its event says, while an in-flight request has it."""
         self._refs: dict[int, int] = {}
         self._cached: set[int] = set()
         """Engine block hashes announced stored and not removed since."""
@@ -246,18 +263,35 @@ class KVEventPublisher:
         }
 
     # -- driver hooks ------------------------------------------------------------
-    def on_submit(self, request_id: str, token_ids: Sequence[int], hashes: Sequence[int]) -> None:
-        """Map a new request's blocks (the engine's ``hashes``) to vLLM ids and tokens."""
+    def on_submit(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        hashes: Sequence[int],
+        *,
+        lora: LoraKey | None = None,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+    ) -> None:
+        """Map a new request's blocks (the engine's ``hashes``) to vLLM ids and tokens;
+        ``lora`` / ``cache_salt`` enter the ids and the events as vLLM 0.32 puts them."""
         cfg = self.config
         bs = self.block_size
-        ids = block_ids(token_ids, bs, algo=cfg.hash_algo, seed=cfg.hash_seed)
+        ids = block_ids(
+            token_ids, bs, algo=cfg.hash_algo, seed=cfg.hash_seed, lora=lora, cache_salt=cache_salt
+        )
+        extras = event_extra_keys(len(ids), lora=lora, cache_salt=cache_salt)
+        name = lora.name if lora is not None else None
         for k, (h, vid) in enumerate(zip(hashes, ids, strict=True)):
             self._refs[h] = self._refs.get(h, 0) + 1
             self._ids.setdefault(h, vid)
             if h not in self._blocks:
-                self._blocks[h] = (
+                self._blocks[h] = _BlockInfo(
                     ids[k - 1] if k else None,
                     tuple(token_ids[k * bs : (k + 1) * bs]),
+                    name,
+                    lora_id if name is not None else None,
+                    extras[k] if extras is not None else None,
                 )
         self._users[request_id] = tuple(hashes)
 
@@ -284,22 +318,24 @@ class KVEventPublisher:
                 events.append(_Removed([vid], "GPU"))
         run: list[int] = []
         run_tokens: list[int] = []
-        run_parent: int | None = None
+        run_extras: list[tuple[str, ...] | None] = []
+        head = _NO_BLOCK
         for h in stored:
             vid = self._ids.get(h)
             if vid is None:  # pragma: no cover - a block no request announced
                 continue
             self._cached.add(h)
-            parent, tokens = self._blocks.get(h, (None, ()))
-            if run and parent != run[-1]:
-                events.append(self._stored(run, run_parent, run_tokens))
-                run, run_tokens = [], []
+            info = self._blocks.get(h, _NO_BLOCK)
+            if run and (info.parent != run[-1] or info.lora_name != head.lora_name):
+                events.append(self._stored(run, head, run_tokens, run_extras))
+                run, run_tokens, run_extras = [], [], []
             if not run:
-                run_parent = parent
+                head = info
             run.append(vid)
-            run_tokens.extend(tokens)
+            run_tokens.extend(info.tokens)
+            run_extras.append(info.extra)
         if run:
-            events.append(self._stored(run, run_parent, run_tokens))
+            events.append(self._stored(run, head, run_tokens, run_extras))
         if events:
             self._publish(events)
 
@@ -321,8 +357,17 @@ class KVEventPublisher:
         self._cached.discard(h)
         return self._ids.get(h) if h in self._refs else self._ids.pop(h, None)
 
-    def _stored(self, ids: list[int], parent: int | None, tokens: list[int]) -> _Stored:
-        return _Stored(ids, parent, tokens, self.block_size, None, "GPU", None)
+    def _stored(
+        self,
+        ids: list[int],
+        head: _BlockInfo,
+        tokens: list[int],
+        extras: list[tuple[str, ...] | None],
+    ) -> _Stored:
+        keys = extras if any(e is not None for e in extras) else None
+        return _Stored(
+            ids, head.parent, tokens, self.block_size, head.lora_id, "GPU", head.lora_name, keys
+        )
 
     def _publish(self, events: list[Any]) -> None:
         payload = _ENCODER.encode(_Batch(time.time(), events, self.rank))

@@ -4,7 +4,8 @@ Request models accept and ignore unknown fields (vLLM's ``extra="allow"``).
 Responses are plain dicts in vLLM's field order, serialised compactly; SSE
 events are ``data: <json>\\n\\n`` and the stream ends with ``data: [DONE]\\n\\n``.
 Errors are ``{"error": {"message", "type", "param", "code"}}`` with the HTTP
-status equal to ``code`` and vLLM's type names (``BadRequestError`` ...).
+status equal to ``code`` and vLLM's type names (``BadRequestError`` ..., or the one a
+route names, e.g. ``invalid_request_error`` for an unknown response id).
 """
 
 from __future__ import annotations
@@ -31,16 +32,23 @@ ERROR_TYPES = {
 class ApiError(KvgateError):
     """An error answered to an API client with ``status`` (400 unless told)."""
 
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        error_type: str | None = None,
+    ) -> None:
         super().__init__(message, param=param)
         self.status_code = status
-        self.error_type = ERROR_TYPES.get(status, "BadRequestError")
+        self.error_type = error_type or ERROR_TYPES.get(status, "BadRequestError")
 
 
 def error_body(exc: KvgateError) -> dict[str, Any]:
     """vLLM's error JSON for ``exc``."""
     status = exc.status_code
-    kind = ERROR_TYPES.get(status, exc.error_type)
+    kind = exc.error_type if isinstance(exc, ApiError) else ERROR_TYPES.get(status, exc.error_type)
     return {"error": {"message": exc.message, "type": kind, "param": exc.param, "code": status}}
 
 
@@ -66,6 +74,8 @@ class _Generate(_Lenient):
     n: int = 1
     ignore_eos: bool = False
     request_id: str | None = None
+    cache_salt: Any = None
+    """Prefix-cache partition (checked by :func:`gateway.emulator.lora.check_cache_salt`)."""
     kv_transfer_params: Any = None
     """P/D (vLLM NIXL): checked by :func:`gateway.emulator.pd.parse_leg`."""
 

@@ -3,8 +3,16 @@
 ``create_emulator_app(settings)`` builds a FastAPI app whose lifespan creates an
 :class:`EngineDriver` (the simulator's engine model, stepped in real time), the
 fake tokenizer and a Prometheus registry owned by the app. Routes follow vLLM
-0.33: ``/v1/completions`` and ``/v1/chat/completions`` (JSON or SSE, see
-:mod:`gateway.emulator.generate`), ``/v1/models``, ``/health``, ``/tokenize``,
+0.32. The generate runner serves ``/v1/completions`` and ``/v1/chat/completions``
+(JSON or SSE, see :mod:`gateway.emulator.generate`), ``/v1/responses`` (+ ``GET
+/v1/responses/{id}``, ``POST .../cancel``: :mod:`gateway.emulator.responses`),
+``/v1/messages`` and ``/v1/messages/count_tokens`` (:mod:`gateway.emulator.messages`),
+and with ``transcription`` ``/v1/audio/transcriptions|translations``
+(:mod:`gateway.emulator.audio`); the pooling runner serves the pooling routes of its
+task instead (:mod:`gateway.emulator.pooling`); a route the runner lacks answers
+FastAPI's ``{"detail": "Not Found"}`` 404, as on vLLM (whose error handler covers
+FastAPI's HTTPException, not the router's). LoRA adapters and cache salts:
+:mod:`gateway.emulator.lora`. Every runner serves ``/v1/models``, ``/health``, ``/tokenize``,
 ``/detokenize``, ``/load``, ``/version``, ``/metrics``, ``/kv_event_sources`` and
 ``POST /reset_prefix_cache`` (KV events: :mod:`gateway.emulator.kv_publisher`). Usage always carries
 ``prompt_tokens_details.cached_tokens`` (a real vLLM needs
@@ -28,7 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.core.errors import KvgateError
-from gateway.emulator import faults, generate
+from gateway.emulator import audio, faults, generate, lora, messages, pooling, responses
 from gateway.emulator.fault_middleware import FaultMiddleware
 from gateway.emulator.kv_publisher import reset_prefix_cache
 from gateway.emulator.pd import RELEASE_PATH, release_request
@@ -74,7 +82,10 @@ async def models(state: StateDep) -> dict[str, Any]:
         "max_model_len": state.perf.max_model_len,
         "permission": [permission],
     }
-    return {"object": "list", "data": [card]}
+    cards = [card]
+    for adapter, path in state.lora.adapters.items():  # vLLM lists adapters after the base
+        cards.append({**card, "id": adapter, "root": path, "parent": name, "max_model_len": None})
+    return {"object": "list", "data": cards}
 
 
 @router.get("/health")
@@ -178,7 +189,16 @@ def create_emulator_app(settings: EmulatorSettings | None = None) -> FastAPI:
     app = FastAPI(title="kvgate engine emulator", version=VERSION, lifespan=lifespan)
     app.add_exception_handler(KvgateError, _on_error)
     app.include_router(router)
-    app.include_router(generate.router)
+    if settings.runner == "pooling":  # vLLM registers a runner's routes only
+        pooling.attach(app, settings.convert)
+    else:
+        app.include_router(generate.router)
+        app.include_router(responses.router)
+        app.include_router(messages.router)
+        if settings.transcription:
+            app.include_router(audio.router)
+    if settings.enable_lora:
+        lora.attach(app, allow_runtime=settings.allow_runtime_lora)
     if settings.fault is not None or settings.fault_admin:  # else: not a single extra call
         injector = faults.FaultInjector(
             faults.parse_fault(settings.fault) if settings.fault else None

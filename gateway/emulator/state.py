@@ -6,7 +6,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import Depends, Request
 from prometheus_client import CollectorRegistry
@@ -16,9 +16,10 @@ from gateway.emulator.driver import EngineDriver, GenerationHandle
 from gateway.emulator.kv_publisher import KVEventPublisher, KVEventsConfig
 from gateway.emulator.kvpins import DEFAULT_LEASE
 from gateway.emulator.kvtransfer import KvTransfer, TransferMetrics
+from gateway.emulator.lora import LoraInfoCollector, LoraTable
 from gateway.emulator.metrics import EmulatorMetrics
 from gateway.emulator.pd import ROLES, Role
-from gateway.emulator.protocol import ApiError
+from gateway.emulator.response_store import DEFAULT_CAPACITY, ResponseStore
 from gateway.emulator.tokenizer import FakeTokenizer, output_tokens
 from gateway.perfmodel.model import PerfModel
 from gateway.perfmodel.presets import load_preset
@@ -59,6 +60,24 @@ class EmulatorSettings:
     """Serve ``/_faults`` (fault injection at run time) even without ``fault``."""
     kv_events: KVEventsConfig | None = None
     """Publish vLLM's KV cache events (:mod:`gateway.emulator.kv_publisher`); None: off."""
+    runner: Runner = "generate"
+    """vLLM's ``--runner``: ``generate`` serves the generation routes, ``pooling`` the
+    pooling ones (:mod:`gateway.emulator.pooling`), never both."""
+    convert: PoolingTask = "embed"
+    """The pooling task (vLLM's ``--convert``): ``embed`` or ``classify`` (a one-label
+    cross-encoder: ``/classify``, ``/score``, ``/rerank``)."""
+    transcription: bool = False
+    """A speech-to-text model (Whisper-like): also serve ``/v1/audio/*``."""
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    """Adapters served from the start: (name, path)."""
+    allow_runtime_lora: bool = False
+    """Serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (also when
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is set)."""
+    responses_store_size: int = DEFAULT_CAPACITY
+    """Stored responses kept (oldest dropped past it)."""
 
     def kv_engine_id(self) -> str:
         """The engine id prefill replies name: ``engine_id``, else a uuid derived from
@@ -83,7 +102,21 @@ class EmulatorSettings:
         for name in ("kv_bandwidth_gbps", "kv_lease_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.runner not in ("generate", "pooling"):
+            raise ConfigError(f"runner must be generate or pooling, got {self.runner!r}")
+        if self.convert not in ("embed", "classify"):
+            raise ConfigError(f"convert must be embed or classify, got {self.convert!r}")
+        if self.transcription and self.runner != "generate":
+            raise ConfigError("a transcription model runs with the generate runner")
+        if self.responses_store_size < 1:
+            raise ConfigError("responses_store_size must be positive")
+        if (self.lora_modules or self.allow_runtime_lora) and not self.enable_lora:
+            raise ConfigError("LoRA adapters need enable_lora (--enable-lora)")
         changes: dict[str, int] = {}
+        if self.enable_lora:
+            if self.max_loras < 1 or self.max_lora_rank < 1:
+                raise ConfigError("max_loras and max_lora_rank must be positive")
+            changes["max_loras"] = self.max_loras
         for name in ("max_model_len", "kv_capacity_blocks"):
             value = getattr(self, name)
             if value is not None:
@@ -94,6 +127,8 @@ class EmulatorSettings:
 
 
 _WILDCARDS = frozenset({"", "0.0.0.0", "::"})
+Runner = Literal["generate", "pooling"]
+PoolingTask = Literal["embed", "classify"]
 
 
 @dataclass(slots=True)
@@ -106,14 +141,20 @@ class EmulatorState:
     registry: CollectorRegistry
     kv: KvTransfer
     engine_id: str
+    lora: LoraTable
+    responses: ResponseStore
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     kv_events: KVEventPublisher | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def check_model(self, name: str | None) -> None:
-        """404 unless ``name`` is absent or the served model (as vLLM answers)."""
-        if name is not None and name != self.settings.model:
-            raise ApiError(f"The model `{name}` does not exist.", status=404, param="model")
+    def check_model(self, name: str | None) -> str:
+        """The LoRA adapter ``name`` selects ("" for the base model or none given);
+        404 for any other name, as vLLM answers."""
+        return self.lora.resolve(name)
+
+    def served_name(self, lora: str) -> str:
+        """The ``model`` a response names: the adapter, else the served model."""
+        return lora or self.settings.model
 
     def text(self, handle: GenerationHandle, start: int, count: int) -> str:
         """Text of output tokens ``start .. start+count`` of ``handle``."""
@@ -169,6 +210,8 @@ def build_state(settings: EmulatorSettings, perf: PerfModel) -> EmulatorState:
     kv = KvTransfer(
         driver, kv_metrics, engine_id=engine_id, bandwidth_gbps=settings.kv_bandwidth_gbps
     )
+    if settings.enable_lora:
+        registry.register(LoraInfoCollector(driver.core))
     driver.observer = EmulatorMetrics(
         registry,
         driver.core,
@@ -177,7 +220,11 @@ def build_state(settings: EmulatorSettings, perf: PerfModel) -> EmulatorState:
         cache_info=cache_info,
         deferred=lambda: kv.in_flight,
     )
-    return EmulatorState(settings, perf, driver, registry, kv, engine_id, kv_events=publisher)
+    lora = LoraTable(settings.model, settings.enable_lora, dict(settings.lora_modules))
+    responses = ResponseStore(settings.responses_store_size)
+    return EmulatorState(
+        settings, perf, driver, registry, kv, engine_id, lora, responses, kv_events=publisher
+    )
 
 
 def get_state(request: Request) -> EmulatorState:

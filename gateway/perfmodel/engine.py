@@ -13,7 +13,8 @@ time), then :meth:`finish_step` at that time to apply it. When every
 scheduled request is decoding and nothing can be admitted, one call may plan
 a *decode run* of several identical steps (up to ``horizon``), which the
 simulator uses to skip events; :meth:`interrupt` cuts a run short when a new
-request arrives mid-run. The emulator sets ``max_decode_run=1``.
+request arrives mid-run. The emulator sets ``max_decode_run=1``. LoRA adapters follow
+vLLM's slot rule and pay their load time inside the step (``perfmodel/lora.py``).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import math
 from dataclasses import dataclass, field
 
 from gateway.perfmodel.kvcache import BlockPool
+from gateway.perfmodel.lora import AdapterCache, LoraInfo, SlotGate, batch_adapters
 from gateway.perfmodel.model import PerfModel
-from gateway.perfmodel.queues import FcfsQueue, PriorityGroupQueue, WaitQueue
+from gateway.perfmodel.queues import FcfsQueue, PrefixCounts, PriorityGroupQueue, WaitQueue
 from gateway.perfmodel.request import EngineRequest, StepOutcome
 
 __all__ = ["EngineCore", "EngineRequest", "StepOutcome"]  # the records live in request.py
@@ -65,13 +67,16 @@ class EngineCore:
         self._plan: _Plan | None = None
         self._waiting_pending = 0
         self._running_pending = 0
-        self._pending_prefix: dict[int, int] = {}
+        self._pending_prefix = PrefixCounts()
         """Prompt blocks of the requests queued or still prefilling, with a count each: a
         request queued behind another with the same prefix will hit it, so its pending
         prefill leaves that prefix out (at most the queued requests' blocks)."""
         self._by_id: dict[str, EngineRequest] = {}
         self._last_end = -math.inf
         """End of the last step: an engine idle since long enough wakes slowly."""
+        self.adapters = AdapterCache(
+            model.max_loras, model.max_cpu_loras, model.lora_load_s, model.lora_activate_s
+        )
 
     # -- state ---------------------------------------------------------------
     @property
@@ -101,6 +106,11 @@ class EngineCore:
     def pending_prefix_blocks(self) -> int:
         """Distinct prompt blocks of the queued and prefilling requests (the set above)."""
         return len(self._pending_prefix)
+
+    @property
+    def lora_info(self) -> LoraInfo:
+        """Adapters running and waiting, and ``--max-loras`` (``vllm:lora_requests_info``)."""
+        return LoraInfo.of(self.running, self.waiting, self.model.max_loras)
 
     @property
     def kv_usage(self) -> float:
@@ -282,17 +292,23 @@ class EngineCore:
             budget -= n
             i += 1
         admission_blocked = False
+        skipped: list[EngineRequest] = []
         if not preempted:
             waiting = self.waiting
             waiting.begin_step()
+            gate = SlotGate(running, model.max_loras)
             while budget > 0:
                 cand = waiting.peek()
                 if cand is None:
+                    admission_blocked = bool(skipped)  # all the rest wait for a LoRA slot
                     break
                 if len(running) >= model.max_num_seqs:
                     admission_blocked = True
                     break
                 req = cand
+                if gate.blocks(req):  # its adapter waits for a slot; the next may go
+                    skipped.append(waiting.take())
+                    continue
                 limit = min(len(req.block_hashes), (req.total_tokens - 1) // bs)
                 hits = pool.match(req.block_hashes, limit)
                 remote = self._remote_blocks(req, limit) if req.cached_tokens is None else 0
@@ -323,6 +339,8 @@ class EngineCore:
                 running.append(req)
                 items.append((req, n))
                 budget -= n
+            for req in reversed(skipped):
+                waiting.push_front(req)
         if not items:
             if preempted:
                 # Everything runnable was preempted; try again with the freed blocks.
@@ -337,10 +355,14 @@ class EngineCore:
             else:
                 chunks.append((n, req.num_computed))
         end = now + model.step_time(chunks, batch, ctx)
+        load = self.adapters.activate(batch_adapters(r for r, _ in items))
+        end += load
         # A run skips admission attempts; that is exact only while the same head-of-line
         # request stays blocked (FCFS). Priority groups rotate the head every step.
         blocked = admission_blocked and not self._rotating
-        decode_only = not chunks and not preempted and (len(self.waiting) == 0 or blocked)
+        decode_only = (
+            not chunks and not preempted and not load and (len(self.waiting) == 0 or blocked)
+        )
         return _Plan(now, end, items, 1, decode_only, batch, ctx, preempted)
 
     def _extend_decode_run(self, plan: _Plan, horizon: float) -> None:
@@ -391,19 +413,11 @@ class EngineCore:
         return min(limit, min(req.remote_tokens, req.prompt_tokens - 1) // self.model.block_size)
 
     def _add_pending_prefix(self, req: EngineRequest, limit: int) -> None:
-        pending = self._pending_prefix
-        for h in req.block_hashes[:limit]:
-            pending[h] = pending.get(h, 0) + 1
+        self._pending_prefix.add(req.block_hashes[:limit])
         req.pending_blocks = limit
 
     def _drop_pending_prefix(self, req: EngineRequest) -> None:
-        pending = self._pending_prefix
-        for h in req.block_hashes[: req.pending_blocks]:
-            count = pending[h] - 1
-            if count:
-                pending[h] = count
-            else:
-                del pending[h]
+        self._pending_prefix.drop(req.block_hashes[: req.pending_blocks])
         req.pending_blocks = 0
 
     def _preempt(self, req: EngineRequest) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -145,3 +145,22 @@ class PriorityGroupQueue:
         self._quota -= 1
         self._len -= 1
         return req
+
+
+class PrefixCounts(dict[int, int]):
+    """Block hashes with a count each: the prompt blocks of the requests an engine has
+    queued or still prefilling (at most their blocks)."""
+
+    __slots__ = ()
+
+    def add(self, hashes: Iterable[int]) -> None:
+        for h in hashes:
+            self[h] = self.get(h, 0) + 1
+
+    def drop(self, hashes: Iterable[int]) -> None:
+        for h in hashes:
+            count = self[h] - 1
+            if count:
+                self[h] = count
+            else:
+                del self[h]

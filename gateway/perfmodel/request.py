@@ -19,6 +19,9 @@ class EngineRequest:
     payload: object = None
     remote_tokens: int = 0
     """Prompt tokens whose KV arrives from a prefill engine (P/D): loaded, not computed."""
+    lora: str = ""
+    """The LoRA adapter the request runs with, "" for the base model (its block hashes are
+    expected partitioned by adapter already: ``gateway.core.blocks.partition_seed``)."""
     # scheduler state
     num_computed: int = 0
     num_output: int = 0

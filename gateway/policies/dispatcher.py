@@ -13,7 +13,10 @@ the policy move held requests between queues. The driver owns the waiting
 In a disaggregated cluster a single-pool policy runs in *pair mode*: it is asked
 for a decode engine, then :class:`~gateway.policies.pd_rule.PDRule` says whether
 the prefill runs there (local) or on the prefill pool, and only then is the policy
-asked for a prefill engine. ``pd_native`` policies apply the same rule themselves
+asked for a prefill engine; a remote leg without reuse on the policy's decode engine moves
+to a decode engine idle by the router's own count (:meth:`PDRule.balance_decode`), so
+cold prompts do not pile on one decode engine between scrapes. ``pd_native`` policies
+apply the same rule themselves
 (from ``PolicyContext.pd``). Every disaggregated decision carries its
 ``pd_reason``; :attr:`Dispatcher.pd_reasons` counts them.
 """
@@ -28,8 +31,10 @@ from gateway.core.types import ClusterView, Decision, EngineId, EngineRole, Requ
 from gateway.perfmodel.model import PerfModel
 from gateway.perfmodel.presets import DEFAULT_PRESET, load_preset
 from gateway.policies.base import Policy
+from gateway.policies.lora_affinity import narrow_to_adapter
 from gateway.policies.pd_rule import PDReason, PDRule, PDSettings
 from gateway.policies.router_queues import QueuedRequest, QueueFullError, RouterQueues
+from gateway.policies.session_affinity import SessionAffinity
 
 __all__ = ["DecisionTimes", "Dispatcher", "PDSettings", "PolicyError", "QueueFullError"]
 
@@ -62,8 +67,11 @@ class Dispatcher:
         queues: RouterQueues | None = None,
         pd: PDSettings | None = None,
         perf: PerfModel | None = None,
+        sessions: SessionAffinity | None = None,
     ) -> None:
         self.policy = policy
+        self.sessions = sessions
+        """Session affinity (sticky until saturated); None: sessions are ignored."""
         self.pd = pd or PDSettings()
         self.pd_rule = PDRule(self.pd, perf or load_preset(DEFAULT_PRESET))
         self.pd_reasons: dict[str, int] = {}
@@ -75,6 +83,9 @@ class Dispatcher:
         self.routed = 0
         self.migrated = 0
         self._members: tuple[EngineId, ...] = ()
+        self._decode_legs = 0
+        self._last_leg: dict[EngineId, int] = {}
+        """Per decode engine, the number of its latest remote decode leg (bounded: engines)."""
 
     def route(
         self, req: RequestInfo, view: ClusterView, now: float, *, handle: object = None
@@ -92,6 +103,9 @@ class Dispatcher:
             self.policy.on_membership(members)
         timer = self._timer
         start = timer() if timer is not None else 0.0
+        view = narrow_to_adapter(req, view)  # a LoRA request: resident > free slot > evict
+        if self.sessions is not None:  # a session's bound engine, unless saturated
+            view = self.sessions.narrow(req, view, now)[0]
         pair = view.disaggregated and not self.policy.pd_native
         if pair:
             decision, prefill, decode = self._decide_pair(req, view, now)
@@ -127,6 +141,8 @@ class Dispatcher:
         else:
             self.policy.on_routed(req, decision, now)
             self.in_flight[decision.engine] = self.in_flight.get(decision.engine, 0) + 1
+        if self.sessions is not None:
+            self.sessions.bind(req, decision.engine, now)
         self.routed += 1
         return decision
 
@@ -146,8 +162,21 @@ class Dispatcher:
             tuple(e for e in view.pool(EngineRole.PREFILL) if e.id != decode.engine)
         )
         choice = self.pd_rule.decide(req, target, decode.expected_hit_tokens, prefills.healthy())
+        if choice.remote and not self.pd_rule.reuse_pays(req, decode.expected_hit_tokens):
+            decodes = view.pool(EngineRole.DECODE).healthy()
+            moved = self.pd_rule.balance_decode(target, decodes, self._last_leg)
+            if moved.id != target.id:  # an idle decode engine: no pile-up between scrapes
+                target = moved
+                decode = replace(decode, engine=moved.id, expected_hit_tokens=0)
+                decode = replace(decode, reason=decode.reason + ":idle_decode")
+                prefills = ClusterView(
+                    tuple(e for e in view.pool(EngineRole.PREFILL) if e.id != moved.id)
+                )
+                choice = self.pd_rule.decide(req, target, 0, prefills.healthy())
         if not choice.remote:
             return replace(decode, pd_reason=choice.reason.value), None, decode
+        self._decode_legs += 1
+        self._last_leg[decode.engine] = self._decode_legs
         prefill = self.policy.decide(req, prefills, now)
         combined = replace(
             decode,
@@ -231,6 +260,9 @@ class Dispatcher:
 
     def engine_removed(self, engine: EngineId) -> None:
         self.in_flight.pop(engine, None)
+        self._last_leg.pop(engine, None)
+        if self.sessions is not None:
+            self.sessions.engine_removed(engine)
         self.policy.on_engine_removed(engine)
 
     @staticmethod

@@ -57,6 +57,14 @@ knob that restores the paper's rule):
   (so an overflowed prefix is found again). Two candidates alone cannot
   balance long, heavy-tailed prompts: power of two choices trails least loaded
   there, and so did DualMap without this.
+* ``fresh_spread=true``: a prompt no engine holds a block of, keyed on a key
+  unseen in the window (nothing cached to reuse, nothing seen to keep together),
+  goes to the engine with the lowest estimate anywhere (ties: the fewest in
+  flight, then its ring candidates); with two candidates only, unique prompts
+  are power of two choices until both breach, which trails least loaded
+  (``docs/evaluation.md``, "DualMap on unique prompts"). A prompt sharing any
+  cached block (a system prompt, a document, a conversation) keeps the paper's
+  two candidates.
 * The default hold gate is at least two steps' token budget (``2 x
   max_num_batched_tokens``; ``dispatch_pending_tokens=8192`` restores a
   fixed gate): with the 8,192-token gate on an engine whose step takes 8,192
@@ -122,6 +130,7 @@ class DualMapConfig:
     slo_aware: bool = True
     slo_headroom: float = 1.0
     fresh_headroom: float = 0.25
+    fresh_spread: bool = True
     tie_by_estimate: bool = True
     tpot_aware: bool = True
     duty_window_s: float = 10.0
@@ -307,6 +316,8 @@ class DualMapPolicy(PolicyBase):
                 and matched[holder.id] > max(matched.get(c.id, 0) for c in cands)
             ):
                 cands.append(holder)
+        if cfg.fresh_spread and not matched and not self.hotness.count(key):
+            return self._spread(req, view, ring, now)
         hits = {e.id: min(matched.get(e.id, 0) * req.block_size, cap) for e in cands}
         est = {e.id: self.ttft_estimate(e, req.prompt_tokens, hits[e.id]) for e in cands}
         if len(cands) == 1:
@@ -365,6 +376,30 @@ class DualMapPolicy(PolicyBase):
             hold=hold,
             expected_hit_tokens=hits[chosen.id],
             reason=reason + (":held" if hold else ""),
+            candidates=tuple(e.id for e in ring),
+        )
+
+    def _spread(
+        self, req: RequestInfo, view: ClusterView, ring: list[EngineView], now: float
+    ) -> Decision:
+        """``fresh_spread``: nothing cached anywhere and a first-seen key: the engine with the
+        lowest TTFT estimate anywhere, preferring one where neither SLO target breaches; ties
+        go to the fewest in flight, then to the ring candidates (in ring order)."""
+        order = {e.id: i for i, e in enumerate(ring)}
+
+        def rank(e: EngineView) -> tuple[bool, float, int, int]:
+            est = self.ttft_estimate(e, req.prompt_tokens, 0)
+            breach = est > req.slo.ttft_s or self._tpot_breach(e, req, now)
+            return breach, est, e.in_flight + e.router_queued, order.get(e.id, len(order))
+
+        chosen = min(view.healthy(), key=rank)
+        hold = self.config.queueing and (
+            chosen.router_queued > 0 or chosen.pending_prefill_tokens >= self.dispatch_tokens
+        )
+        return Decision(
+            engine=chosen.id,
+            hold=hold,
+            reason="dualmap:spread" + (":held" if hold else ""),
             candidates=tuple(e.id for e in ring),
         )
 

@@ -23,16 +23,24 @@ which include requests routed but not yet reported by the engine) under the engi
 performance model: ``ceil(pending / max_num_batched_tokens)`` chunk steps of fixed cost
 ``prefill_a`` plus ``prefill_b`` per token. The pool's wait is its least loaded engine's.
 Facts from the anchors' docs and code; re-implemented.
+
+**Decode balance.** When the prefill runs remotely and the decode engine the policy
+picked holds less than ``1 - max_local_ratio`` (30 %) of the prompt (no reuse pays
+for it), :meth:`PDRule.balance_decode` moves the leg to a decode engine that is idle by
+the router's own count (no request in flight or held there, no pending prefill; the
+scrape is not needed) when the pick is busy or was given a decode leg more recently:
+between two scrapes a run of cold prompts otherwise piled on one decode engine
+while another sat idle (ties broken alike for every request).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from gateway.core.types import EngineView, RequestInfo
+from gateway.core.types import EngineId, EngineView, RequestInfo
 from gateway.perfmodel.model import PerfModel
 
 
@@ -130,3 +138,29 @@ class PDRule:
             return PDChoice(PDReason.LOCAL_SATURATED, uncached, wait)
         long = uncached >= s.max_local_tokens
         return PDChoice(PDReason.REMOTE_LONG if long else PDReason.REMOTE_UNCACHED, uncached, wait)
+
+    def reuse_pays(self, req: RequestInfo, decode_hit_tokens: int) -> bool:
+        """True when the decode engine holds enough of the prompt to keep the leg there."""
+        share = 1.0 - self.settings.max_local_ratio
+        return decode_hit_tokens > 0 and decode_hit_tokens >= share * req.prompt_tokens
+
+    @staticmethod
+    def balance_decode(
+        pick: EngineView, decodes: Sequence[EngineView], last_leg: Mapping[EngineId, int]
+    ) -> EngineView:
+        """The decode engine of a remote leg without reuse: ``pick`` unless another healthy
+        engine of ``decodes`` is idle by the router's count while ``pick`` is busy or got a
+        decode leg more recently (``last_leg``: the sequence number of each engine's last
+        decode leg); then the least recently used idle engine."""
+        idle = [e for e in decodes if e.healthy and _router_idle(e)]
+        if not idle:
+            return pick
+        best = min(idle, key=lambda e: last_leg.get(e.id, -1))
+        if _router_idle(pick) and last_leg.get(pick.id, -1) <= last_leg.get(best.id, -1):
+            return pick
+        return best
+
+
+def _router_idle(engine: EngineView) -> bool:
+    """Nothing in flight, held or pending there as the router counts (its own and its peers')."""
+    return not (engine.in_flight or engine.router_queued or engine.pending_prefill_tokens)

@@ -27,7 +27,16 @@ Dynamo, ``../shared/docs/anchors.md``):
    decode steps, :class:`~gateway.policies.inflight.RoutedWork`); with KV
    events, the prefill of the blocks the engine announced instead, which
    every gateway replica sees alike.
-3. **Feasible** engines meet the request's TTFT target and
+3. **Aging** (``wait_bound``): only engines whose predicted TTFT is within
+   the request's TTFT target, or within ``wait_bound`` x its cold prefill
+   time of the least-wait engine's, are candidates; so a request's wait beyond
+   the best engine's is bounded by its size. The prices below (work, share,
+   eviction) are all seconds of other requests' time and grow with the
+   prompt: on an overloaded pool (8 A6000 engines, bursty ``gen:chat`` at 5.0
+   req/s, past capacity) they sent 31 % of the requests to engines predicted 6.6 s slower
+   on average (share penalty -10.4 s, work price -7.6 s, eviction -4.4 s),
+   so the long prompts waited behind deep queues (``docs/evaluation.md``).
+   **Feasible** engines among them meet the request's TTFT target and
    ``tpot_headroom`` x its TPOT target; when none does, all are candidates.
 4. **Cost** = ``ttft + out * tpot`` (``decode_in_cost``; ``out`` the request's
    predicted output, or learnt per prefix by an
@@ -57,7 +66,9 @@ Dynamo, ``../shared/docs/anchors.md``):
    costs about one cold prefill per excess share, so a prefix that all
    traffic shares spreads over the engines even when the views lag.
 5. **Pick** the cheapest; costs within ``tie_s`` go to the least queued
-   engine, then the fewest in flight, then in turn.
+   engine, then the fewest in flight, then in turn (the turn advances once per
+   request: in a disaggregated pool both of its legs are routed, and a turn moved
+   twice sent every tied request of two-engine pools to the same engines).
 
 Memory: the index holds at most ``2**22`` blocks (each engine's part at most
 its KV capacity, ``index_blocks`` to override); the in-flight context at most
@@ -67,7 +78,8 @@ Knobs (defaults): ``work_weight=4``, ``decode_weight=1``, ``evict_weight=3``,
 ``reuse_window=256``, ``decode_aware=true``, ``decode_in_cost=true``,
 ``tpot_headroom=1``, ``duty_window_s=10``, ``share_slack=0.2``,
 ``share_weight=10``, ``share_window=32``, ``max_utilisation=0.9``,
-``busy_window=32``, ``tie_s=0.005``, ``index_blocks=0``, ``precise=false``.
+``busy_window=32``, ``tie_s=0.005``, ``index_blocks=0``, ``precise=false``,
+``wait_bound=1`` (0: no aging).
 """
 
 from __future__ import annotations
@@ -108,10 +120,11 @@ class PredictedTtftConfig:
     index_blocks: int = 0
     precise: bool = False
     """Correct the routed-prompt index with the engines' KV events (stored, removed, cleared)."""
+    wait_bound: float = 1.0
 
     def __post_init__(self) -> None:
-        if min(self.work_weight, self.decode_weight, self.tie_s) < 0:
-            raise ValueError("work_weight, decode_weight and tie_s must be >= 0")
+        if min(self.work_weight, self.decode_weight, self.tie_s, self.wait_bound) < 0:
+            raise ValueError("work_weight, decode_weight, tie_s and wait_bound must be >= 0")
         if not 0.0 < self.max_utilisation < 1.0:
             raise ValueError("max_utilisation must be within (0, 1)")
         if self.index_blocks < 0:
@@ -144,6 +157,7 @@ class PredictedTtftPolicy(PolicyBase):
         self.index = PrefixIndex(_MAX_INDEX_BLOCKS)
         self._capacity: dict[EngineId, int] = {}
         self._turn = 0
+        self._last: tuple[str, float] = ("", -1.0)  # (id, arrival) of the last request routed
         # Each engine's recent share of requests, an EWMA over share_window x N decisions
         # started at 0 (not bias-corrected: a single early request must not look like 100 %)
         self._share: dict[EngineId, float] = {}
@@ -238,7 +252,13 @@ class PredictedTtftPolicy(PolicyBase):
         self._engines = len(rows)
         slo = req.slo.ttft_s
         tpot_limit = req.slo.tpot_s * self.config.tpot_headroom
-        feasible = [p for p in rows if p.ttft_s <= slo and p.tpot_s <= tpot_limit] or rows
+        pool = rows
+        if self.config.wait_bound > 0:  # aging: its wait bounded by its size, beyond the target
+            floor = min(p.ttft_s for p in rows)
+            slack = self.config.wait_bound * self.perf.prefill_time(req.prompt_tokens, 0)
+            limit = max(slo, floor + slack + self.config.tie_s)
+            pool = [p for p in rows if p.ttft_s <= limit]
+        feasible = [p for p in pool if p.ttft_s <= slo and p.tpot_s <= tpot_limit] or pool
         best = min(p.cost for p in feasible)
         near = [p for p in feasible if p.cost <= best + self.config.tie_s]
         order = {p.engine.id: i for i, p in enumerate(rows)}
@@ -262,7 +282,9 @@ class PredictedTtftPolicy(PolicyBase):
         return self.config.index_blocks or self._capacity.get(engine) or _DEFAULT_INDEX_BLOCKS
 
     def on_routed(self, req: RequestInfo, decision: Decision, now: float) -> None:
-        self._turn += 1
+        if (req.id, req.arrival) != self._last:  # once per request, not per leg
+            self._turn += 1
+            self._last = (req.id, req.arrival)
         self._busy += (self._observed - self._busy) / self.config.busy_window
         self._reuse += (self._reuse_seen - self._reuse) / self.config.reuse_window
         if not self.wants_cache_events:  # with KV events the engines' stored blocks count

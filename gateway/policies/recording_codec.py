@@ -56,6 +56,8 @@ def encode(value: Any) -> Any:
         return value
     if isinstance(value, tuple):
         return {"T": [encode(v) for v in value]}
+    if isinstance(value, frozenset):  # sorted: the same set always encodes alike
+        return {"S": sorted(encode(v) for v in value)}
     if isinstance(value, list):
         return [encode(v) for v in value]
     name = type(value).__name__
@@ -80,6 +82,8 @@ def decode(data: Any) -> Any:
     if isinstance(data, dict):
         if "T" in data:
             return tuple(decode(v) for v in data["T"])
+        if "S" in data and isinstance(data["S"], list):
+            return frozenset(decode(v) for v in data["S"])
         if "E" in data:
             return EngineRole(data["E"])
         cls = _CLASSES.get(data.get("D", ""))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 from dataclasses import dataclass
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import httpx
 from fastapi import Request, Security
@@ -24,6 +24,9 @@ from gateway.proxy.ratelimit import RateLimiter
 from gateway.proxy.routing_key import RoutingKeyer
 from gateway.proxy.token_keys import TokenKeyer
 
+if TYPE_CHECKING:  # the service imports modules that import this one
+    from gateway.proxy.service import RoutingService
+
 
 @dataclass(slots=True)
 class GatewayState:
@@ -37,6 +40,8 @@ class GatewayState:
     monitor: EngineMonitor
     forwarder: Forwarder
     keyer: RoutingKeyer
+    service: RoutingService
+    """The routing service the fields above come from (shared with other front ends)."""
     token_keyer: TokenKeyer | None = None
     kv_events: KVEventSubscriber | None = None
     limiter: RateLimiter | None = None
@@ -44,14 +49,7 @@ class GatewayState:
 
     def slo_for(self, name: str | None) -> SloClass:
         """The SLO class a request asked for (header ``x-kvgate-slo-class``), or the default."""
-        key = name or self.settings.default_slo_class
-        cfg = self.settings.slo_classes.get(key)
-        if cfg is None:
-            known = ", ".join(sorted(self.settings.slo_classes))
-            raise ApiError(
-                400, f"unknown SLO class {key!r} (known: {known})", param="x-kvgate-slo-class"
-            )
-        return SloClass(key, cfg.ttft_s, cfg.tpot_s)
+        return self.service.slo_for(name)
 
 
 def get_state(request: Request) -> GatewayState:

@@ -36,7 +36,8 @@ from gateway.core.types import Decision
 from gateway.proxy.upstream import UpstreamError
 
 if TYPE_CHECKING:
-    from gateway.proxy.forwarder import Exchange, Forwarder
+    from gateway.proxy.exchange import Exchange
+    from gateway.proxy.forwarder import Forwarder
 
 log = logging.getLogger("kvgate.proxy")
 
@@ -103,7 +104,9 @@ async def run_prefill(fwd: Forwarder, ex: Exchange, engine_id: str) -> PrefillOu
         if engine is None or ex.body is None:
             return PrefillOutcome()
         registry.add_pending(engine_id, ex.request_id + "#prefill", ex.info.prompt_tokens)
-        registry.begin_attempt(engine_id, ex.request_id + "#prefill")
+        registry.begin_attempt(engine_id, ex.request_id + "#prefill", lora=ex.info.lora)
+        if ex.trace is not None:  # this leg's span context goes in its headers
+            ex.trace.begin_leg("prefill", engine_id, ex.attempts + 1)
         try:
             resp = await fwd.upstream.send(
                 engine.url + ex.path, fwd.headers_for(ex, engine), prefill_body(ex.body)
@@ -142,6 +145,8 @@ async def run_prefill(fwd: Forwarder, ex: Exchange, engine_id: str) -> PrefillOu
         ok = True
         return PrefillOutcome(params=params)
     finally:
+        if ex.trace is not None:
+            ex.trace.end_leg(error=None if ok else "prefill_failed")
         registry.clear_pending(engine_id, ex.request_id + "#prefill")
         registry.end_attempt(engine_id, ex.request_id + "#prefill")
         if ok:  # the prefill engine works (its breaker may be half-open)

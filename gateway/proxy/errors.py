@@ -1,7 +1,9 @@
 """OpenAI-shaped errors: one exception type, one renderer, one set of handlers.
 
 Every error leaves kvgate as ``{"error": {"message", "type", "param", "code"}}``
-with ``code`` equal to the HTTP status (as vLLM does), never as a bare 500.
+with ``code`` equal to the HTTP status (as vLLM does), never as a bare 500. On the
+Anthropic Messages routes kvgate's own errors take Anthropic's shape instead,
+``{"type": "error", "error": {"type", "message"}}`` (its SDK parses them).
 """
 
 from __future__ import annotations
@@ -67,12 +69,32 @@ def error_body(
     }
 
 
-def error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse(
-        error_body(exc.status, exc.message, param=exc.param, error_type=exc.error_type),
-        status_code=exc.status,
-        headers=exc.headers,
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error shape for ``status``."""
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_response(exc: ApiError, shape: str = "openai") -> JSONResponse:
+    """The error as JSON: OpenAI's shape, or Anthropic's with ``shape="anthropic"``."""
+    body = (
+        anthropic_error_body(exc.status, exc.message)
+        if shape == "anthropic"
+        else error_body(exc.status, exc.message, param=exc.param, error_type=exc.error_type)
     )
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
 def install_handlers(app: FastAPI) -> None:

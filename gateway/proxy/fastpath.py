@@ -1,9 +1,10 @@
-"""A pure ASGI fast path for the two proxied POST routes.
+"""A pure ASGI fast path for every proxied endpoint.
 
-It answers ``POST /v1/completions`` and ``/v1/chat/completions`` itself, with
-the same handler FastAPI's routes use, but without Starlette's request object,
-routing, dependency resolution and exception layers in between (a third of
-the gateway's own CPU time per request). Every other request goes on to the
+It answers the proxied endpoints (:mod:`gateway.proxy.endpoints`: completions, chat,
+Responses, Messages, embeddings and the other pooling routes, tokenize, audio, stored
+responses) itself, with the handler FastAPI's documented routes use, but without
+Starlette's request object, routing, dependency resolution and exception layers in
+between (a third of the gateway's own CPU time per request). Every other request goes on to the
 FastAPI app. Responses are Starlette ``Response`` objects, so streaming and
 client-disconnect handling are Starlette's.
 """
@@ -22,15 +23,26 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.proxy.deps import GatewayState
+from gateway.proxy.endpoints import match
 from gateway.proxy.errors import ApiError, error_response
+from gateway.proxy.intake import handle_request
 from gateway.proxy.ratelimit import client_ip
-from gateway.proxy.routes_openai import ROUTES, handle_openai
 
 log = logging.getLogger("kvgate.proxy")
 
 
 class ClientGoneError(Exception):
     """The client disconnected before its request body arrived."""
+
+
+def client_credentials(headers: dict[str, str]) -> str | None:
+    """The client's key as an Authorization value: its ``Authorization`` header, else an
+    ``x-api-key`` (what the Anthropic SDK sends) as a Bearer token."""
+    authorization = headers.get("authorization")
+    if authorization:
+        return authorization
+    api_key = headers.get("x-api-key")
+    return f"Bearer {api_key}" if api_key else None
 
 
 def check_client_key(state: GatewayState, authorization: str | None) -> int | None:
@@ -120,19 +132,23 @@ class OpenAIFastPath:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in ROUTES:
+        found = match(scope["method"], scope["path"]) if scope["type"] == "http" else None
+        if found is None:
             await self.app(scope, receive, send)
             return
+        endpoint, response_id = found
         started = time.monotonic()
         state: GatewayState = scope["app"].state.gateway
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         response: Response
         try:
-            admit(state, ROUTES[scope["path"]], headers.get("authorization"), scope.get("client"))
-            raw = await read_asgi_body(
-                receive, headers.get("content-length"), state.settings.max_body_bytes
-            )
-            work = handle_openai(state, scope["path"], headers, raw, started)
+            admit(state, endpoint.route, client_credentials(headers), scope.get("client"))
+            raw = b""
+            if endpoint.body != "none":
+                raw = await read_asgi_body(
+                    receive, headers.get("content-length"), state.settings.max_body_bytes
+                )
+            work = handle_request(state, endpoint, headers, raw, started, response_id=response_id)
             if state.dispatcher.policy.may_hold:
                 response = await _unless_client_leaves(work, receive)
             else:
@@ -140,10 +156,11 @@ class OpenAIFastPath:
         except ClientGoneError:
             return
         except ApiError as exc:
-            response = error_response(exc)
+            response = error_response(exc, endpoint.errors)
         except Exception:
             log.exception("unhandled error on %s", scope["path"])
             response = error_response(
-                ApiError(500, "internal error in kvgate", error_type="server_error")
+                ApiError(500, "internal error in kvgate", error_type="server_error"),
+                endpoint.errors,
             )
         await response(scope, receive, send)

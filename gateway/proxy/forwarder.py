@@ -21,55 +21,31 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
 
 from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 from gateway.cluster.registry import EngineRegistry, EngineState
 from gateway.config import Settings
-from gateway.core.types import ClusterView, Decision, RequestInfo
+from gateway.core.types import ClusterView, Decision, EngineRole
 from gateway.observability import GatewayMetrics
+from gateway.perfmodel.presets import load_preset
 from gateway.policies.dispatcher import Dispatcher
-from gateway.policies.router_queues import QueuedRequest, QueueFullError
 from gateway.proxy.budget import RetryBudget, budget_error
-from gateway.proxy.disagg import decode_body, note_pd_decision, pd_log_fields, run_prefill
+from gateway.proxy.decide import Decider
+from gateway.proxy.disagg import decode_body, note_pd_decision, run_prefill
 from gateway.proxy.errors import ApiError
+from gateway.proxy.exchange import Exchange
+from gateway.proxy.flow_gate import FlowGate, build_flow_gate
+from gateway.proxy.pump import QueuePump
 from gateway.proxy.recorder import Recorder
 from gateway.proxy.relay import Relay, completion_tokens
+from gateway.proxy.response_store import ResponseStore, response_id_in
+from gateway.proxy.settle import Settler
 from gateway.proxy.upstream import Upstream, UpstreamConnectError, UpstreamError, UpstreamResponse
+from gateway.tracing import begin_request
 
 log = logging.getLogger("kvgate.proxy")
-
-FORWARD_HEADERS = ("x-vllm-priority", "x-session-id")
-"""Client headers passed on to the engine; nothing else of the client's is forwarded."""
-_JSON = (b"content-type", b"application/json")
-
-
-@dataclass(slots=True)
-class Exchange:
-    """One client request on its way through the gateway."""
-
-    route: str
-    path: str
-    raw: bytes
-    info: RequestInfo
-    model: str | None
-    stream: bool
-    request_id: str
-    client_headers: dict[str, str] = field(default_factory=dict)
-    started: float = 0.0
-    attempts: int = 0
-    engine: str | None = None
-    held: asyncio.Future[QueuedRequest] | None = None
-    body: dict[str, Any] | None = None
-    payload: bytes = b""
-    """What goes to the (decode) engine: ``raw``, or the decode leg's body in P/D."""
-    prefill_engine: str | None = None
-    """The engine that ran this attempt's remote prefill leg (P/D), if any."""
-    pd_reason: str | None = None
-    """Why the prefill ran where it did (P/D; ``unified`` without a prefill pool)."""
 
 
 class _RetryableError(Exception):
@@ -92,6 +68,9 @@ class Forwarder:
         metrics: GatewayMetrics,
         *,
         clock: Callable[[], float] = time.monotonic,
+        responses: ResponseStore | None = None,
+        pump: QueuePump | None = None,
+        flow: FlowGate | None = None,
     ) -> None:
         self.settings = settings
         self.upstream = upstream
@@ -100,11 +79,46 @@ class Forwarder:
         self.metrics = metrics
         self.clock = clock
         self.policy = dispatcher.policy.name
-        self.recorder: Recorder | None = None
+        self.decider = Decider(settings, dispatcher, metrics=metrics, clock=clock)
+        self.settler = Settler(
+            settings, registry, dispatcher=dispatcher, metrics=metrics, clock=clock, pump=self.pump
+        )
         self.budget = RetryBudget.from_config(settings.retries)
+        self.flow: FlowGate | None = flow or build_flow_gate(
+            settings.flow_control,
+            load_preset(settings.preset),
+            self._view,
+            clock,
+            metrics.registry,
+            pending_log=registry.pending_log,
+        )
+        """Flow control (admission, priority, fairness) in front of the policy (the routing
+        service's gate; a forwarder built alone makes its own); None: off."""
+        cfg = settings.responses
+        self.responses = responses or ResponseStore(
+            registry,
+            ttl_s=cfg.ttl_s,
+            max_entries=cfg.max_entries,
+            clock=clock,
+            locate=cfg.locate,
+        )
+        self.queue_pump = pump or QueuePump(registry, dispatcher, clock)
+        self.on_model_missing: Callable[[str], None] | None = None
+        """Called with an engine's id when it answered 404 to a routed request (its model
+        list may be stale: the monitor re-reads it)."""
+
+    @property
+    def recorder(self) -> Recorder | None:
+        """The traffic recorder (None: off); settled requests are recorded there."""
+        return self.settler.recorder
+
+    @recorder.setter
+    def recorder(self, value: Recorder | None) -> None:
+        self.settler.recorder = value
 
     async def forward(self, ex: Exchange) -> Response:
         """Route and proxy ``ex``; with a recorder, a request refused here is recorded too."""
+        ex.trace = begin_request(ex)
         if self.recorder is None:
             return await self._forward(ex)
         try:
@@ -117,16 +131,21 @@ class Forwarder:
             raise
 
     async def _forward(self, ex: Exchange) -> Response:
+        if self.flow is not None:  # waits while the engines are saturated (or 429/503)
+            waited = self.clock() if ex.trace is not None else 0.0
+            await self.flow.admit(ex)
+            if ex.trace is not None:
+                ex.trace.queue_wait(self.clock() - waited)
         retries = self.settings.retries
         tried: list[str] = []
         last: _RetryableError | None = None
         self.budget.request(self.clock())
         for attempt in range(retries.max_attempts):
-            view = self._view(ex.model, tried)
+            view = self._view(ex.model, tried, ex)
             if tried and not any(e.healthy for e in view.engines):
                 # every other engine was tried: one still in routing may be retried (a stale
                 # keep-alive connection, say, fails once and then works)
-                view = self._view(ex.model)
+                view = self._view(ex.model, (), ex)
             if not any(e.healthy for e in view.engines):
                 break
             decision = self._route(ex, view)
@@ -136,6 +155,8 @@ class Forwarder:
             ex.payload = ex.raw
             ex.prefill_engine = None
             note_pd_decision(self, ex, decision, view.disaggregated)
+            if ex.trace is not None:
+                ex.trace.decided(self.policy, decision.reason, engine_id, hit, ex.pd_reason)
             if decision.prefill_engine is not None:
                 leg = await run_prefill(self, ex, decision.prefill_engine)
                 if leg.response is not None:  # the prefill engine refused the request
@@ -156,7 +177,10 @@ class Forwarder:
                 continue
             ex.attempts = attempt + 1
             ex.engine = engine.id
-            self.registry.begin_attempt(engine.id, ex.request_id)
+            if ex.trace is not None:
+                kind = "decode" if view.disaggregated else "attempt"
+                ex.trace.begin_leg(kind, engine.id, ex.attempts)
+            self.registry.begin_attempt(engine.id, ex.request_id, lora=ex.info.lora)
             try:
                 if ex.stream:
                     return await self._stream(ex, engine)
@@ -189,89 +213,38 @@ class Forwarder:
         raise ApiError(503, detail, headers={"Retry-After": str(wait)})
 
     # -- one attempt -------------------------------------------------------------
-    def _view(self, model: str | None, exclude: Sequence[str] = ()) -> ClusterView:
+    def _view(
+        self, model: str | None, exclude: Sequence[str] = (), ex: Exchange | None = None
+    ) -> ClusterView:
+        """Engines serving ``model`` less ``exclude``; for ``ex``, only its pinned engine, and
+        no prefill-only engine unless its endpoint runs disaggregated."""
+        if ex is not None and (ex.pinned or not ex.endpoint.disaggregates):
+            out = set(exclude)
+            for e in self.registry.all():
+                if (ex.pinned and e.id != ex.pinned) or (
+                    not ex.endpoint.disaggregates and e.role is EngineRole.PREFILL
+                ):
+                    out.add(e.id)
+            exclude = tuple(out)
         return self.registry.view(
             self.dispatcher.in_flight, model=model, exclude=exclude, queues=self.dispatcher.queues
         )
 
     def _route(self, ex: Exchange, view: ClusterView) -> Decision:
-        t0 = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[QueuedRequest] = loop.create_future()
-        try:
-            decision = self.dispatcher.route(ex.info, view, self.clock(), handle=future)
-        except QueueFullError as exc:
-            self.metrics.requests.labels(ex.route, self.policy, "queue_full").inc()
-            raise ApiError(
-                429,
-                f"{exc}; retry later",
-                headers={"Retry-After": "1"},
-                error_type="rate_limit_error",
-            ) from None
-        self.metrics.decision_seconds.labels(self.policy).observe(time.perf_counter() - t0)
-        self.metrics.decisions.labels(self.policy, decision.reason or "none").inc()
-        self.metrics.prompt_tokens.labels(self.policy).inc(ex.info.prompt_tokens)
-        self.metrics.expected_hit_tokens.labels(self.policy).inc(
-            min(decision.expected_hit_tokens, ex.info.prompt_tokens)
-        )
-        if decision.hold:
-            ex.held = future
-        return decision
+        return self.decider.route(ex, view)
 
     async def _held(self, ex: Exchange) -> tuple[str, int]:
-        """Wait in the router queue until released; (engine, expected hit) then."""
-        future = ex.held
-        assert future is not None
-        self.metrics.held.labels(self.policy).inc()
-        try:
-            item = await asyncio.wait_for(future, self.settings.queue_timeout_s)
-        except TimeoutError:
-            self.dispatcher.cancel(ex.request_id, self.clock())
-            self.metrics.requests.labels(ex.route, self.policy, "queue_timeout").inc()
-            raise ApiError(
-                503,
-                f"waited {self.settings.queue_timeout_s:g} s in the router queue",
-                headers={"Retry-After": "1"},
-            ) from None
-        except asyncio.CancelledError:  # the client left while held
-            self.dispatcher.cancel(ex.request_id, self.clock())
-            self.metrics.requests.labels(ex.route, self.policy, "cancelled").inc()
-            raise
-        finally:
-            ex.held = None
-        self.metrics.queue_wait.observe(self.clock() - ex.started)
-        return item.engine, item.hit_tokens
+        return await self.decider.held(ex)
 
     def pump(self, engine: str | None = None) -> None:
         """Release held requests (of ``engine``, or of every queue) the policy lets go."""
-        queues = self.dispatcher.queues
-        if not len(queues):
-            return
-        now = self.clock()
-        view = self._view(None)
-        if engine is None:
-            for target in self.dispatcher.rebalance(view, now):
-                self._wake(target, view, now)
-            for name in queues.engines():
-                self._wake(name, view, now)
-        else:
-            self._wake(engine, view, now)
-
-    def _wake(self, engine: str, view: ClusterView, now: float) -> None:
-        for item in self.dispatcher.release(engine, view, now):
-            future = item.handle
-            if isinstance(future, asyncio.Future) and not future.done():
-                future.set_result(item)
+        if self.flow is not None:  # capacity may have freed: flow control's next request
+            self.flow.pump()
+        self.queue_pump.pump(engine)
 
     async def run_pump(self, interval_s: float) -> None:
-        """Rebalance and release held requests on a timer (engine state also changes when
-        no request of ours completes: scrapes, other clients)."""
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                self.pump()
-            except Exception:  # pragma: no cover - never let the pump die
-                log.exception("router queue pump failed")
+        """Rebalance and release held requests on a timer."""
+        await self.queue_pump.run(interval_s, self.pump)
 
     def headers_for(self, ex: Exchange, engine: EngineState) -> list[tuple[bytes, bytes]]:
         return self._headers(ex, engine)
@@ -292,12 +265,22 @@ class Forwarder:
             self.recorder.record(ex, ok=False, outcome="engine_client_error", output=None)
 
     def _headers(self, ex: Exchange, engine: EngineState) -> list[tuple[bytes, bytes]]:
-        headers = [_JSON, (b"x-request-id", ex.request_id.encode())]
+        headers = [(b"x-request-id", ex.request_id.encode())]
+        if ex.method == "POST":
+            headers.append((b"content-type", ex.content_type.encode("latin-1")))
         if engine.api_key:
             headers.append((b"authorization", b"Bearer " + engine.api_key.encode()))
-        for name, value in ex.client_headers.items():
+        client = ex.client_headers if ex.trace is None else ex.trace.headers(ex.client_headers)
+        for name, value in client.items():
             headers.append((name.encode(), value.encode()))
         return headers
+
+    def engine_headers(self, engine: EngineState) -> list[tuple[bytes, bytes]]:
+        """The headers of a request kvgate itself sends to ``engine`` (a stored-response
+        lookup)."""
+        if engine.api_key:
+            return [(b"authorization", b"Bearer " + engine.api_key.encode())]
+        return []
 
     def _response_headers(self, ex: Exchange) -> dict[str, str]:
         headers = {"x-request-id": ex.request_id}
@@ -308,7 +291,10 @@ class Forwarder:
     async def _send(self, ex: Exchange, engine: EngineState) -> UpstreamResponse:
         try:
             resp = await self.upstream.send(
-                engine.url + ex.path, self._headers(ex, engine), ex.payload or ex.raw
+                engine.url + ex.path,
+                self._headers(ex, engine),
+                ex.payload or ex.raw,
+                method=ex.method,
             )
         except UpstreamError as exc:
             raise _RetryableError(
@@ -331,6 +317,7 @@ class Forwarder:
         now = self.clock()
         self.registry.clear_pending(engine.id, ex.request_id)
         ok = resp.status < 400
+        self._stored_state(ex, engine, resp.status, content)
         output = completion_tokens(content) if ok else None
         if ok:
             self.dispatcher.first_token(ex.info, engine.id, now)
@@ -352,6 +339,7 @@ class Forwarder:
             except UpstreamError as exc:
                 raise _RetryableError(exc.reason, str(exc)) from None
             self.registry.clear_pending(engine.id, ex.request_id)
+            self._stored_state(ex, engine, resp.status, content)
             self.finish(ex, engine, ok=False, output=None, outcome="engine_client_error")
             return Response(
                 content=content,
@@ -381,7 +369,29 @@ class Forwarder:
         )
 
     # -- bookkeeping -------------------------------------------------------------
+    def _stored_state(self, ex: Exchange, engine: EngineState, status: int, content: bytes) -> None:
+        """What an answer tells about stored responses and the engine's models: bind a new
+        stored response, forget a deleted one, have a 404's model list re-read."""
+        if status == 200:
+            if ex.store_response:
+                self.bind_response(ex, engine, content)
+            elif ex.method == "DELETE" and ex.response_id:
+                self.responses.forget(ex.response_id)
+        elif status == 404 and ex.endpoint.kind != "stored" and self.on_model_missing:
+            self.on_model_missing(engine.id)
+
+    def bind_response(self, ex: Exchange, engine: EngineState, content: bytes) -> bool:
+        """Bind the id of the Responses object starting ``content`` to ``engine``."""
+        response_id = response_id_in(content)
+        if response_id is None:
+            return False
+        ex.store_response = False  # once per request
+        self.responses.bind(response_id, engine.id)
+        return True
+
     def _failed_attempt(self, ex: Exchange, engine: EngineState, exc: _RetryableError) -> None:
+        if ex.trace is not None:
+            ex.trace.end_leg(error=exc.reason)
         self.registry.end_attempt(engine.id, ex.request_id)
         self.registry.clear_pending(engine.id, ex.request_id)
         self.dispatcher.finished(ex.info, engine.id, self.clock(), ok=False)
@@ -413,34 +423,7 @@ class Forwarder:
         usage: bytes = b"",
     ) -> None:
         """Bookkeeping of a request an engine answered; ``usage``: bytes holding its usage."""
-        now = self.clock()
-        self.registry.end_attempt(engine.id, ex.request_id)
-        info = ex.info if output is None else replace(ex.info, output_tokens=output)
-        self.dispatcher.finished(info, engine.id, now, ok=ok)
-        self.pump(engine.id)
-        if ok:
-            self.registry.mark_success(engine.id, now)
-            self.metrics.e2e.labels(ex.route).observe(now - ex.started)
-        self.metrics.requests.labels(ex.route, self.policy, outcome).inc()
-        if self.settings.log_requests:
-            log.info(
-                "request done",
-                extra={
-                    "request_id": ex.request_id,
-                    "route": ex.route,
-                    "model": ex.model,
-                    "engine": engine.id,
-                    "outcome": outcome,
-                    "attempts": ex.attempts,
-                    "stream": ex.stream,
-                    "prompt_tokens_est": ex.info.prompt_tokens,
-                    "output_tokens": output,
-                    "duration_s": round(now - ex.started, 6),
-                    **pd_log_fields(ex),
-                },
-            )
-        if self.recorder is not None:
-            self.recorder.record(ex, ok=ok, outcome=outcome, output=output, usage=usage)
+        self.settler.settle(ex, engine.id, ok=ok, output=output, outcome=outcome, usage=usage)
 
 
 def _content_type(resp: UpstreamResponse) -> str:

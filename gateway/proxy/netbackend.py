@@ -26,6 +26,11 @@ import httptools
 
 HIGH_WATER = 256 * 1024
 """Bytes of response body buffered before the socket stops being read."""
+MAX_HEAD_BYTES = 64 * 1024
+"""Bytes of response head (status line, headers, any 1xx heads before it) accepted before
+the answer is refused as broken (nginx refuses past 4-8 KiB, h11 past 16 KiB)."""
+MAX_HEADERS = 100
+"""Header lines accepted in one response head."""
 
 
 class UpstreamError(Exception):
@@ -71,8 +76,10 @@ class H1Connection(asyncio.Protocol):
         self.buffered = 0
         self.received = 0
         self.head_done = False
+        self.head_bytes = 0
         self.complete = False
         self.framed = False
+        self.interim = False
         self.keep_alive = False
         self.error: UpstreamError | None = None
 
@@ -136,9 +143,21 @@ class H1Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self.error = UpstreamError(f"engine sent invalid HTTP: {exc}")
-            self.close()
-            self._wake()
+            cause = exc.__context__  # what a callback raised
+            self._fail(
+                cause if isinstance(cause, UpstreamError) else f"engine sent invalid HTTP: {exc}"
+            )
+        except httptools.HttpParserUpgrade:
+            self._fail("engine switched protocols (101): kvgate never asks it to")
+        if not self.head_done and self.received > MAX_HEAD_BYTES and self.error is None:
+            self._fail(f"engine sent a response head over {MAX_HEAD_BYTES} bytes")
+
+    def _fail(self, error: UpstreamError | str) -> None:
+        """The exchange is broken: record why, close the connection, wake the reader."""
+        if self.error is None:
+            self.error = error if isinstance(error, UpstreamError) else UpstreamError(error)
+        self.close()
+        self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -161,14 +180,33 @@ class H1Connection(asyncio.Protocol):
         self._wake()
 
     # -- httptools callbacks -------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self.complete:  # bytes after the answer, or while the connection sat idle
+            raise UpstreamError("engine sent more than one answer to one request")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
-        if name in (b"content-length", b"transfer-encoding"):
+        if name == b"content-length":
             self.framed = True
+        elif name == b"transfer-encoding":
+            if value.strip().lower() != b"chunked":  # kvgate never sends TE: the engine is wrong
+                raise UpstreamError(f"engine sent transfer-encoding {value!r}, not chunked")
+            self.framed = True
+        self.head_bytes += len(name) + len(value)
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if status < 200:  # 100 Continue, 103 Early Hints: the answer follows
+            self.interim = True
+            self.headers = []
+            self.framed = False
+            return
+        if self.head_bytes > MAX_HEAD_BYTES:  # a head that came whole in one read
+            raise UpstreamError(f"engine sent a response head over {MAX_HEAD_BYTES} bytes")
+        if len(self.headers) > MAX_HEADERS:
+            raise UpstreamError(f"engine sent over {MAX_HEADERS} header lines")
+        self.status = status
         self.keep_alive = self.parser.should_keep_alive()  # valid now, reset after the body
         self.head_done = True
         self._wake()
@@ -182,6 +220,9 @@ class H1Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         self.complete = True
         self._wake()
 
@@ -222,6 +263,10 @@ class H1Pool:
     @property
     def idle(self) -> int:
         return self._idle_count
+
+    def idle_connections(self) -> list[H1Connection]:
+        """The idle connections, every origin's (for health checks and tests)."""
+        return [conn for conns in self._idle.values() for conn in conns]
 
     async def acquire(self, origin: Origin) -> H1Connection:
         """A connection to ``origin`` reserved for one exchange (idle, else new)."""

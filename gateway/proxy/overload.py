@@ -13,8 +13,8 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.observability import GatewayMetrics
+from gateway.proxy.endpoints import match
 from gateway.proxy.errors import ApiError, error_response
-from gateway.proxy.routes_openai import ROUTES
 
 
 class InFlightCap:
@@ -26,7 +26,7 @@ class InFlightCap:
         self.in_flight = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in ROUTES:
+        if scope["type"] != "http" or match(scope["method"], scope["path"]) is None:
             await self.app(scope, receive, send)
             return
         if self.in_flight >= self.limit:
@@ -53,4 +53,6 @@ def _count(scope: Scope) -> None:
     if isinstance(metrics, GatewayMetrics):
         metrics.overloaded.inc()
         policy = str(getattr(getattr(state, "forwarder", None), "policy", "unknown"))
-        metrics.requests.labels(ROUTES[scope["path"]], policy, "overloaded").inc()
+        found = match(scope["method"], scope["path"])
+        route = found[0].route if found is not None else "unknown"
+        metrics.requests.labels(route, policy, "overloaded").inc()

@@ -8,8 +8,10 @@ hashes, formats the lines and appends them to ``PATH``, rotated by size.
 Hash ids are the request's chained routing-key hashes passed through BLAKE2b
 keyed with a secret derived from the salt and cut to 63 bits: equal prefixes
 keep equal leading ids within a recording (and across recordings with the same
-salt), but without the salt nobody can compute the id of a known prompt. No
-prompt or output text is ever written. See docs/gateway.md#recording-traffic.
+salt), but without the salt nobody can compute the id of a known prompt. A
+request's session id is written the same way (``session``: 16 hex digits of the
+keyed hash), so a replay keeps which requests formed one session. No prompt or
+output text is ever written. See docs/gateway.md#recording-traffic.
 """
 
 from __future__ import annotations
@@ -31,12 +33,16 @@ from typing import IO, TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter
 
 if TYPE_CHECKING:
-    from gateway.proxy.forwarder import Exchange
+    from gateway.proxy.exchange import Exchange
 
 log = logging.getLogger("kvgate.record")
 
-_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_PROMPT_TOKENS = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
+"""Prompt tokens in an engine's usage: chat and completions' ``prompt_tokens``, Responses'
+and Messages' ``input_tokens`` (Messages adds the cache reads it leaves out)."""
+_CACHE_READ = re.compile(rb'"cache_read_input_tokens"\s*:\s*(\d+)')
 _COMPLETION_TOKENS = b'"completion_tokens"'
+_OUTPUT_TOKENS = b'"output_tokens"'
 _PAUSE_S = 0.05  # the writer wakes at most this often: fewer thread switches and writes
 _MEMO = 1 << 17
 
@@ -68,6 +74,12 @@ class Salter:
         self._memo[value] = out
         return out
 
+    def text(self, value: str) -> str:
+        """An opaque 16-hex-digit id of a client identifier (a session id)."""
+        h = self._base.copy()
+        h.update(b"text\0" + value.encode("utf-8", "replace"))
+        return h.hexdigest()
+
 
 @dataclass(frozen=True, slots=True)
 class Entry:
@@ -88,6 +100,9 @@ class Entry:
     prefill_engine: str | None
     ok: bool
     outcome: str
+    session: str = ""  # the client's session id, unsalted ("" when none)
+    tenant: str = ""  # flow control's tenant (already a hash of an API key, or a header value)
+    priority: int = 0  # flow control's priority (vLLM's field)
 
 
 def make_entry(
@@ -95,15 +110,20 @@ def make_entry(
 ) -> Entry:
     """The entry of a finished (or rejected) exchange; ``usage`` holds the engine's usage."""
     found = _PROMPT_TOKENS.findall(usage) if usage else None
+    prompt = int(found[-1]) if found else None
+    if prompt is not None and ex.route == "messages":
+        reads = _CACHE_READ.findall(usage)
+        prompt += int(reads[-1]) if reads else 0
     info = ex.info
     return Entry(
         arrival=ex.started,
         hashes=info.block_hashes,
         block_size=info.block_size,
         estimate=info.prompt_tokens,
-        prompt=int(found[-1]) if found else None,
+        prompt=prompt,
         output=output,
-        output_usage=output is not None and _COMPLETION_TOKENS in usage,
+        output_usage=output is not None
+        and (_COMPLETION_TOKENS in usage or _OUTPUT_TOKENS in usage),
         max_tokens=info.max_tokens,
         model=ex.model,
         slo_class=info.slo.name,
@@ -112,10 +132,13 @@ def make_entry(
         prefill_engine=ex.prefill_engine,
         ok=ok,
         outcome=outcome,
+        session=info.session,
+        tenant=info.tenant,
+        priority=info.priority,
     )
 
 
-def format_entry(entry: Entry, salter: Callable[[int], int], t0: float, start_ms: int) -> str:
+def format_entry(entry: Entry, salter: Salter, t0: float, start_ms: int) -> str:
     """One JSON line (Mooncake's four fields first, then kvgate's); ASCII only."""
     if entry.prompt is not None and entry.prompt > 0:
         n_in, in_src = entry.prompt, "usage"
@@ -145,6 +168,12 @@ def format_entry(entry: Entry, salter: Callable[[int], int], t0: float, start_ms
     }
     if entry.prefill_engine is not None:
         line["prefill_engine"] = entry.prefill_engine
+    if entry.session:
+        line["session"] = salter.text(entry.session)
+    if entry.tenant:
+        line["tenant"] = salter.text(entry.tenant)
+    if entry.priority:
+        line["priority"] = entry.priority
     return json.dumps(line, separators=(",", ":")) + "\n"
 
 

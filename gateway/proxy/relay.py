@@ -1,4 +1,13 @@
-"""Relaying an engine's SSE stream to the client, chunk by chunk, with one clean-up."""
+"""Relaying an engine's SSE stream to the client, chunk by chunk, with one clean-up.
+
+Streams pass through unchanged, whatever the API (chat and completions chunks,
+Responses events, Anthropic Messages events). The output length for the policies'
+completion hooks comes from the last usage in the stream's tail (``completion_tokens``
+or, for Responses and Messages, ``output_tokens``). A stored response's id is read from
+the stream's first event. An upstream failure mid-stream ends the stream with an error
+in the API's own framing: ``data: {"error": ...}`` then ``data: [DONE]`` (OpenAI chat
+and completions), an ``event: error`` (Responses; Anthropic's error shape on Messages).
+"""
 
 from __future__ import annotations
 
@@ -15,12 +24,14 @@ from gateway.proxy.errors import error_body
 from gateway.proxy.upstream import UpstreamError, UpstreamResponse
 
 if TYPE_CHECKING:
-    from gateway.proxy.forwarder import Exchange, Forwarder
+    from gateway.proxy.exchange import Exchange
+    from gateway.proxy.forwarder import Forwarder
 
 log = logging.getLogger("kvgate.proxy")
 
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_COMPLETION_TOKENS = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 _TAIL_BYTES = 4096
+_HEAD_BYTES = 8192
 
 
 class Relay:
@@ -43,6 +54,8 @@ class Relay:
         self.first = first
         self.chunks = chunks
         self.tail = b""
+        self.head = b""
+        self.seen = 0
         self.events = 0
         self.outcome = "cancelled"
         self.done = False
@@ -59,14 +72,20 @@ class Relay:
             self.fwd.metrics.engine_errors.labels(self.engine.id, "mid_stream").inc()
             self.fwd.registry.mark_failure(self.engine.id, detail, self.fwd.clock())
             log.warning(detail, extra={"request_id": self.ex.request_id})
-            event = json.dumps(error_body(502, detail, error_type="upstream_error"))
-            yield f"data: {event}\n\ndata: [DONE]\n\n".encode()
+            # an engine that stopped inside an event: end that event first, so the client
+            # parses the error event on its own
+            cut = b"" if not self.tail or self.tail.endswith((b"\n\n", b"\r\n\r\n")) else b"\n\n"
+            yield cut + error_event(self.ex.route, detail)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.close()
 
     def _seen(self, chunk: bytes) -> bytes:
         self.events += chunk.count(b"data: ")
+        if self.ex.store_response and self.seen < _HEAD_BYTES:  # the id is in the first event
+            self.head += chunk[: _HEAD_BYTES - self.seen]
+            self.fwd.bind_response(self.ex, self.engine, self.head)
+        self.seen += len(chunk)
         self.tail = (self.tail + chunk)[-_TAIL_BYTES:]
         return chunk
 
@@ -87,6 +106,23 @@ class Relay:
             outcome=self.outcome,
             usage=self.tail,
         )
+
+
+def error_event(route: str, detail: str) -> bytes:
+    """The end of a stream whose engine failed mid-way, framed as ``route``'s API frames it."""
+    if route == "messages":
+        body = {"type": "error", "error": {"type": "api_error", "message": detail}}
+        return f"event: error\ndata: {json.dumps(body)}\n\n".encode()
+    if route == "responses":
+        event: dict[str, object] = {
+            "type": "error",
+            "code": "upstream_error",
+            "message": detail,
+            "param": None,
+        }
+        return f"event: error\ndata: {json.dumps(event)}\n\n".encode()
+    chunk = json.dumps(error_body(502, detail, error_type="upstream_error"))
+    return f"data: {chunk}\n\ndata: [DONE]\n\n".encode()
 
 
 def completion_tokens(content: bytes) -> int | None:

@@ -19,6 +19,8 @@ from gateway.proxy.errors import ApiError
 
 MAX_JSON_DEPTH = 128
 """Deepest nesting of arrays and objects accepted in a body (tool schemas stay far below)."""
+MAX_CACHE_SALT = 1024
+"""Longest ``cache_salt`` accepted (characters)."""
 MAX_INT64 = 2**63 - 1
 """Bound of the integers kvgate computes with (token ids, ``max_tokens``): larger ones are
 400s here; anything up to it goes to the engine, which answers for what it cannot serve."""
@@ -32,6 +34,7 @@ class _Body(BaseModel):
     stream_options: dict[str, Any] | None = None
     max_tokens: int | None = Field(default=None, ge=0, le=MAX_INT64)
     n: int = Field(default=1, ge=1, le=128)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)
 
 
 class CompletionBody(_Body):
@@ -65,6 +68,30 @@ class ChatBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
     max_completion_tokens: int | None = Field(default=None, ge=0, le=MAX_INT64)
+
+
+class ResponsesBody(_Body):
+    """``POST /v1/responses``: what kvgate keys and routes on."""
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = Field(default=None, min_length=1, max_length=200)
+    tools: list[dict[str, Any]] | None = None
+    store: bool = True
+    background: bool = False
+    max_output_tokens: int | None = Field(default=None, ge=0, le=MAX_INT64)
+
+
+class MessagesBody(_Body):
+    """Anthropic ``POST /v1/messages`` (``count_tokens``: the same, less ``max_tokens``)."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class PooledBody(_Body):
+    """Embeddings, pooling, scoring, reranking and tokenizing: only ``model`` is read."""
 
 
 class ErrorDetail(BaseModel):

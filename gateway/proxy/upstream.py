@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from gateway.proxy.netbackend import (
+    HIGH_WATER,
     H1Connection,
     H1Pool,
     Origin,
@@ -62,7 +63,9 @@ class UpstreamResponse(Protocol):
 
 
 class Upstream(Protocol):
-    async def send(self, url: str, headers: Headers, body: bytes) -> UpstreamResponse: ...
+    async def send(
+        self, url: str, headers: Headers, body: bytes, *, method: str = "POST"
+    ) -> UpstreamResponse: ...
     async def aclose(self) -> None: ...
 
 
@@ -98,6 +101,7 @@ def end_to_end(headers: Headers) -> list[tuple[bytes, bytes]]:
     ]
 
 
+_METHODS = frozenset({"GET", "POST", "DELETE"})
 _MAX_TARGETS = 4096
 """Parsed request URLs kept (engine URL x path: a handful per engine)."""
 
@@ -109,7 +113,7 @@ class _Target:
     """Request line and Host header, ready to be followed by the other headers."""
 
 
-def _target(url: str) -> _Target:
+def _target(url: str, method: str = "POST") -> _Target:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https") or not parts.hostname:
@@ -118,7 +122,10 @@ def _target(url: str) -> _Target:
     path = parts.path or "/"
     if parts.query:
         path += "?" + parts.query
-    head = b"POST " + path.encode("ascii") + b" HTTP/1.1\r\nhost: " + parts.netloc.encode()
+    if method not in _METHODS:
+        raise UpstreamError(f"unsupported method {method!r}")
+    head = method.encode() + b" " + path.encode("ascii") + b" HTTP/1.1\r\nhost: "
+    head += parts.netloc.encode()
     return _Target((scheme, parts.hostname, port), head + b"\r\n")
 
 
@@ -152,14 +159,30 @@ class _H1Response:
             ) from None
 
     async def read(self) -> bytes:
+        """The whole body; it must arrive within the read timeout after the head (a drip of
+        bytes does not extend it), and a body past ``HIGH_WATER`` keeps the socket read."""
         conn = self._conn
         assert conn is not None, "read after close"
         try:
+            if conn.complete:  # the common case: the body came with the head
+                return conn.take() if conn.chunks else b""
+            parts: list[bytes] = []
+            deadline = conn.loop.time() + self._read_timeout
             while not conn.complete:
                 if conn.error is not None:
                     raise conn.error
-                await self._next(conn)
-            return conn.take() if conn.chunks else b""
+                if conn.buffered >= HIGH_WATER:
+                    parts.append(conn.take())
+                left = deadline - conn.loop.time()
+                try:
+                    await conn.wait(max(left, 0.0))
+                except TimeoutError:
+                    raise UpstreamTimeoutError(
+                        f"the engine's answer did not end within {self._read_timeout:g} s"
+                    ) from None
+            if conn.chunks:
+                parts.append(conn.take())
+            return b"".join(parts)
         finally:
             await self.close()
 
@@ -192,19 +215,23 @@ class HttpUpstream:
             pool_timeout=timeouts.pool,
         )
         self._timeouts = timeouts
-        self._targets: dict[str, _Target] = {}
+        self._targets: dict[tuple[str, str], _Target] = {}
 
     @property
     def pool(self) -> H1Pool:
         return self._pool
 
-    async def send(self, url: str, headers: Headers, body: bytes) -> UpstreamResponse:
-        target = self._targets.get(url)
+    async def send(
+        self, url: str, headers: Headers, body: bytes, *, method: str = "POST"
+    ) -> UpstreamResponse:
+        target = self._targets.get((method, url))
         if target is None:
             if len(self._targets) >= _MAX_TARGETS:
                 self._targets.clear()
-            target = self._targets[url] = _target(url)
-        lines = [target.head, b"content-length: ", str(len(body)).encode(), b"\r\n"]
+            target = self._targets[(method, url)] = _target(url, method)
+        lines = [target.head]
+        if body or method == "POST":
+            lines += (b"content-length: ", str(len(body)).encode(), b"\r\n")
         for key, value in end_to_end(headers):
             if b"\n" in value or b"\r" in value or b"\n" in key or b"\r" in key:
                 raise UpstreamError(f"refused to send header {key!r}: it holds a line break")
@@ -283,8 +310,10 @@ class HttpxUpstream:
     def __init__(self, transport: httpx.AsyncBaseTransport) -> None:
         self._transport = transport
 
-    async def send(self, url: str, headers: Headers, body: bytes) -> UpstreamResponse:
-        request = httpx.Request("POST", url, headers=end_to_end(headers), content=body)
+    async def send(
+        self, url: str, headers: Headers, body: bytes, *, method: str = "POST"
+    ) -> UpstreamResponse:
+        request = httpx.Request(method, url, headers=end_to_end(headers), content=body or None)
         try:
             resp = await self._transport.handle_async_request(request)
         except httpx.ConnectError as exc:

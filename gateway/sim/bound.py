@@ -13,7 +13,9 @@ Construction (``pooled_perf``), for a cluster of N engines:
   ``e0, e1, e2`` — so any step takes 1/N of the time it takes one engine;
 * the per-step token budget (``max_num_batched_tokens``), the sequence slots
   (``max_num_seqs``) and the KV blocks (``kv_capacity_blocks``) are multiplied
-  by N; ``max_model_len``, the block size and KV bytes per token stay.
+  by N; ``max_model_len``, the block size and KV bytes per token stay. LoRA:
+  the adapter slots and CPU cache (``max_loras``, ``max_cpu_loras``) are
+  multiplied by N, the adapter load times divided by N.
 
 A step over the union of what N engines compute in one step each (at most N·B
 tokens) costs at most the longest of their steps (``max(a, e0)/N`` plus the
@@ -59,7 +61,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, Unpack
 
 from gateway.core.types import RequestInfo
 from gateway.perfmodel.engine import EngineCore
@@ -70,17 +72,23 @@ from gateway.sim.metrics import slo_attainment, summarize
 from gateway.sim.runner import (
     CAPACITY_TARGET,
     CAPACITY_TOLERANCE,
-    probe_attainment,
+    CapacityOptions,
     run_policy,
-    search_rate,
+    workload_capacity,
 )
 from gateway.sim.workloads import Workload
 
 BOUND_NAME = "pooled_bound"
 """The bound's key in ``results.json`` and its row label in reports."""
 
-_TIMES = ("prefill_a", "prefill_b", "prefill_c", "prefill_d", "decode_e0", "decode_e1", "decode_e2")
-_TIMES_N = ("max_num_batched_tokens", "max_num_seqs", "kv_capacity_blocks")
+_TIMES = (
+    *("prefill_a", "prefill_b", "prefill_c", "prefill_d", "decode_e0", "decode_e1", "decode_e2"),
+    *("lora_load_s", "lora_activate_s"),
+)
+_TIMES_N = (
+    *("max_num_batched_tokens", "max_num_seqs", "kv_capacity_blocks"),
+    *("max_loras", "max_cpu_loras"),
+)
 
 
 def pooled_perf(perf: PerfModel, n: int) -> PerfModel:
@@ -163,39 +171,14 @@ def bound_capacity(
     cluster: ClusterSpec,
     *,
     seed: int = 0,
-    target: float = CAPACITY_TARGET,
-    steps: int | None = None,
-    tolerance: float = CAPACITY_TOLERANCE,
-    first: SimRun | None = None,
-    bracket: float = 2.0,
-    early_stop: bool = True,
-    ttft_only: bool = False,
+    **search: Unpack[CapacityOptions],
 ) -> tuple[float, int]:
     """The pooled bound's capacity, searched exactly as ``runner.capacity_search`` does
     (the same bracket, cap, floor and tolerance), so that policy / bound ratios compare
     like with like. Returns (req/s, simulations run).
     """
-
-    def attainment(factor: float) -> float:
-        if factor == 1.0 and first is not None:
-            return slo_attainment(first, ttft_only=ttft_only)
-        scaled = workload.scaled(factor)
-        return probe_attainment(
-            lambda b: run_bound(scaled, cluster, seed=seed, budget=b),
-            len(workload),
-            target,
-            ttft_only=ttft_only,
-            early_stop=early_stop,
-        )
-
-    return search_rate(
-        workload.rate,
-        attainment,
-        target,
-        tolerance=tolerance,
-        max_steps=steps,
-        free_first=first is not None,
-        bracket=bracket,
+    return workload_capacity(
+        workload, lambda wl, b: run_bound(wl, cluster, seed=seed, budget=b), **search
     )
 
 

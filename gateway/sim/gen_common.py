@@ -74,12 +74,13 @@ def skewed_len(rng: random.Random, mean: int) -> int:
 
 @dataclass(slots=True)
 class Draft:
-    """A request before hashing: arrival, prompt pieces, output length, session."""
+    """A request before hashing: arrival, prompt pieces, output length, session, adapter."""
 
     arrival: float
     pieces: list[Piece]
     output_tokens: int
     session: str | None = None
+    lora: str = ""
 
 
 @dataclass(slots=True)

@@ -20,7 +20,9 @@ no_sharing    prompt_tokens=1000 output_tokens=128                          4
 ============  ===========================================================  ====
 
 ``chat`` and ``agent`` (production-shaped sessions after Mooncake's FAST'25
-traces, no 32768 clip) are documented in :mod:`gateway.sim.production`.
+traces, no 32768 clip) are documented in :mod:`gateway.sim.production`,
+``conversation`` in :mod:`gateway.sim.conversation`, ``lora``
+(multi-adapter traffic) in :mod:`gateway.sim.lora_traffic`.
 
 Prompts are lists of ``(segment_id, length)`` pieces (see
 :func:`~gateway.core.blocks.hashes_from_segments`): shared content (a tool
@@ -48,8 +50,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from gateway.core.blocks import hashes_from_segments
-from gateway.sim import production
+from gateway.core.blocks import hashes_from_segments, partition_seed
+from gateway.sim import conversation, lora_traffic, production
 from gateway.sim.arrivals import ARRIVAL_PARAMS, arrivals_from_params
 from gateway.sim.gen_common import (
     MAX_TOKENS,
@@ -182,6 +184,15 @@ _SPECS: dict[str, _Spec] = {
     "no_sharing": _Spec(_no_sharing, 4.0, {"prompt_tokens": 1000, "output_tokens": 128}),
     "chat": _Spec(production.chat, production.CHAT_RATE, production.CHAT_DEFAULTS),
     "agent": _Spec(production.agent, production.AGENT_RATE, production.AGENT_DEFAULTS),
+    "chat_burst": _Spec(
+        production.chat_burst, production.CHAT_BURST_RATE, production.CHAT_BURST_DEFAULTS
+    ),
+    "conversation": _Spec(
+        conversation.conversation,
+        conversation.CONVERSATION_RATE,
+        conversation.CONVERSATION_DEFAULTS,
+    ),
+    "lora": _Spec(lora_traffic.lora, lora_traffic.LORA_RATE, lora_traffic.LORA_DEFAULTS),
 }
 
 
@@ -211,9 +222,12 @@ def _make(name: str, spec: _Spec) -> GeneratorFn:
                 arrival=d.arrival,
                 prompt_tokens=sum(length for _, length in d.pieces),
                 output_tokens=d.output_tokens,
-                block_hashes=hashes_from_segments(d.pieces, options.block_size),
+                block_hashes=hashes_from_segments(
+                    d.pieces, options.block_size, seed=partition_seed(0, lora=d.lora)
+                ),
                 slo=slo,
                 session=d.session,
+                lora=d.lora,
             )
             for i, d in enumerate(drafts)
         ]

@@ -16,12 +16,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from gateway.core.types import ClusterView, EngineRole, EngineView, RequestInfo
+from gateway.flow import FlowController, FlowOutcome, FlowSettings, SaturationDetector
+from gateway.flow.saturation import SaturationSettings
 from gateway.perfmodel.engine import EngineCore, EngineRequest, StepOutcome
 from gateway.perfmodel.model import PerfModel
 from gateway.policies.base import Policy
 from gateway.policies.dispatcher import Dispatcher
 from gateway.policies.pd_rule import PDSettings
 from gateway.policies.router_queues import QueueFullError
+from gateway.policies.session_affinity import SessionAffinity, StickySettings
 from gateway.sim.workloads import Workload, WorkloadRequest
 
 
@@ -46,6 +49,16 @@ class ClusterSpec:
     every this many seconds would (0: exact, fresh at every decision)."""
     pd: PDSettings = field(default_factory=PDSettings)
     """P/D: the thresholds of the local-or-remote prefill rule (``PolicyContext.pd`` too)."""
+    adapter_view: bool = True
+    """With LoRA traffic, views carry each engine's adapters (of its running and waiting
+    requests) and ``max_loras``, as the gateway's ``vllm:lora_requests_info`` scrape does;
+    False hides them (every engine then looks like a free slot to the adapter filter)."""
+    sessions: StickySettings | None = None
+    """Session affinity for requests with a session, as the gateway's ``sessions`` (None: off)."""
+    flow: FlowSettings | None = None
+    """Flow control in front of the policy, as the gateway's ``flow_control`` (None: off)."""
+    saturation: SaturationSettings = field(default_factory=SaturationSettings)
+    """When flow control holds requests (with ``flow``)."""
 
     def __post_init__(self) -> None:
         if self.instances <= 0 or any(n <= 0 for _, n in self.scale_events):
@@ -88,6 +101,10 @@ class RequestRecord:
     prefill_engine: str | None = None
     kv_transfer_s: float = 0.0
     pd_reason: str = ""
+    flow_wait: float = 0.0
+    """Seconds the request waited in flow control's queue."""
+    refused_at: float | None = None
+    """When flow control refused, shed or timed it out (``rejected`` says which)."""
 
     @property
     def ttft(self) -> float | None:
@@ -120,6 +137,8 @@ class SimRun:
     migrations: int = 0
     engine_steps: int = 0
     events: int = 0
+    lora_loads: int | None = None
+    """Adapters the engines read from disk (None: a workload without LoRA traffic)."""
     end_time: float = 0.0
 
 
@@ -137,7 +156,10 @@ class Simulation:
         self.cluster = cluster
         self.workload = workload
         self.policy = policy
-        self.dispatcher = Dispatcher(policy, timer=timer, pd=cluster.pd, perf=cluster.perf)
+        sessions = SessionAffinity(cluster.sessions) if cluster.sessions is not None else None
+        self.dispatcher = Dispatcher(
+            policy, timer=timer, pd=cluster.pd, perf=cluster.perf, sessions=sessions
+        )
         self.engines = [
             EngineCore(
                 cluster.engine_id(i),
@@ -157,6 +179,11 @@ class Simulation:
         self._seq = 0
         self._scrape: list[tuple[int, int, float]] = []
         self._next_scrape = -math.inf
+        self._lora = any(r.lora for r in workload.requests)
+        self.flow: FlowController | None = None
+        if cluster.flow is not None:
+            detector = SaturationDetector(cluster.saturation, cluster.perf)
+            self.flow = FlowController(cluster.flow, detector)
 
     def run(self) -> SimRun:
         reqs = self.workload.requests
@@ -167,8 +194,20 @@ class Simulation:
         n = len(reqs)
         ai = 0
         transfers = self._transfers
-        while ai < n or heap or transfers:
+        flow = self.flow
+        while ai < n or heap or transfers or (flow is not None and len(flow.queue)):
             next_arrival = reqs[ai].arrival if ai < n else math.inf
+            if flow is not None and len(flow.queue):
+                deadline = flow.next_deadline()
+                first = min(
+                    next_arrival,
+                    heap[0][0] if heap else math.inf,
+                    transfers[0][0] if transfers else math.inf,
+                )
+                if deadline is not None and deadline < first:  # a wait times out first
+                    out.events += 1
+                    self._flow_pump(deadline, next_arrival)
+                    continue
             if (
                 transfers
                 and transfers[0][0] <= next_arrival
@@ -188,6 +227,8 @@ class Simulation:
                 self._start(idx, t, next_arrival)
                 if len(self.dispatcher.queues):
                     self._release(engine.id, t, next_arrival)
+                if flow is not None and len(flow.queue):
+                    self._flow_pump(t, next_arrival)
                 continue
             src = reqs[ai]
             ai += 1
@@ -197,7 +238,7 @@ class Simulation:
             horizon = reqs[ai].arrival if ai < n else math.inf
             record = self._arrive(src, block_size, out)
             records.append(record)
-            if record.rejected is None and not record.held:
+            if record.rejected is None and not record.held and not record.flow_wait < 0:
                 self._submit(record, src.arrival, horizon)
             if len(self.dispatcher.queues):
                 for target in self.dispatcher.rebalance(self._view(src.arrival), src.arrival):
@@ -206,6 +247,8 @@ class Simulation:
         out.preemptions = sum(e.preemptions for e in self.engines)
         out.engine_steps = sum(e.steps for e in self.engines)
         out.migrations = self.dispatcher.migrated
+        if self._lora:
+            out.lora_loads = sum(e.adapters.loads for e in self.engines)
         out.end_time = max((r.finish_time or 0.0 for r in records), default=0.0)
         return out
 
@@ -221,19 +264,78 @@ class Simulation:
             arrival=now,
             block_size=block_size,
             slo=src.slo,
+            lora=src.lora,
+            session=src.session or "",
+            tenant=src.tenant,
+            priority=src.priority,
         )
         record = RequestRecord(source=src, info=info)
+        if self.flow is not None and not self._flow_admit(record, now):
+            return record
+        self._route(record, now)
+        return record
+
+    def _flow_admit(self, record: RequestRecord, now: float) -> bool:
+        """Flow control's answer: True to route now; else queued (``flow_wait`` -1 until
+        released) or refused."""
+        flow = self.flow
+        assert flow is not None
+        src = record.source
+        item = flow.make_item(
+            src.id,
+            src.tenant,
+            src.priority,
+            src.prompt_tokens,
+            now,
+            handle=record,
+            payload=record.info,
+        )
+        got = flow.submit(item, self._view(now), now)
+        if got.shed is not None:
+            self._refuse(got.shed.handle, "shed", now)
+        if got.outcome is FlowOutcome.ADMITTED:
+            return True
+        if got.outcome is FlowOutcome.REFUSED:
+            self._refuse(record, "queue_full", now)
+        else:
+            record.flow_wait = -1.0
+        return False
+
+    @staticmethod
+    def _refuse(record: object, reason: str, now: float) -> None:
+        assert isinstance(record, RequestRecord)
+        record.rejected = reason
+        record.refused_at = now
+        record.flow_wait = now - record.source.arrival
+
+    def _flow_pump(self, now: float, horizon: float) -> None:
+        """Time out waits past their deadline; admit queued requests while the engines
+        have room (one at a time: each is routed before the next check)."""
+        flow = self.flow
+        assert flow is not None
+        for late in flow.expire(now):
+            self._refuse(late.handle, "timeout", now)
+        while (ready := flow.next_ready(self._view(now), now)) is not None:
+            record = ready.handle
+            assert isinstance(record, RequestRecord)
+            record.flow_wait = now - record.source.arrival
+            self._route(record, now)
+            flow.started(ready.id)
+            if record.rejected is None and not record.held:
+                self._submit(record, now, horizon)
+
+    def _route(self, record: RequestRecord, now: float) -> None:
+        info = record.info
         try:
             decision = self.dispatcher.route(info, self._view(now), now, handle=record)
         except QueueFullError as exc:
             record.rejected = str(exc)
-            return record
+            return
         record.engine = decision.engine
         record.expected_hit_tokens = decision.expected_hit_tokens
         record.held = decision.hold
         record.prefill_engine = decision.prefill_engine
         record.pd_reason = decision.pd_reason
-        return record
 
     def _submit(self, record: RequestRecord, now: float, horizon: float) -> None:
         """Send a routed (or released) request to its engine and wake the engine.
@@ -263,6 +365,7 @@ class Simulation:
                 arrival=src.arrival,
                 payload=_PrefillLeg(record) if prefill else record,
                 remote_tokens=src.prompt_tokens if record.prefill_engine and not prefill else 0,
+                lora=src.lora,
             )
         )
         if engine.busy:
@@ -335,6 +438,7 @@ class Simulation:
         in_flight = self.dispatcher.in_flight
         queues = self.dispatcher.queues
         scraped = self._scraped(now)
+        lora = self._lora and self.cluster.adapter_view
         return ClusterView(
             tuple(
                 EngineView(
@@ -348,10 +452,17 @@ class Simulation:
                     in_flight=in_flight.get(e.id, 0),
                     router_queued=queues.count(e.id),
                     router_queued_tokens=queues.tokens(e.id),
+                    lora_resident=self._adapters(e) if lora else frozenset(),
+                    max_lora=e.model.max_loras if lora else 0,
                 )
                 for i, e in enumerate(self.engines[: self._active])
             )
         )
+
+    @staticmethod
+    def _adapters(engine: EngineCore) -> frozenset[str]:
+        info = engine.lora_info
+        return info.running | info.waiting
 
     def _scraped(self, now: float) -> list[tuple[int, int, float]]:
         """Each engine's (waiting, running, KV usage): exact, or as the gateway's scraper last

@@ -91,7 +91,22 @@ def summarize(run: SimRun) -> dict[str, Any]:
     out["held"] = sum(1 for r in recs if r.held)
     out["migrations"] = run.migrations
     out["engine_steps"] = run.engine_steps
+    if run.lora_loads is not None:  # only with LoRA traffic: other results keep their keys
+        out["lora_loads"] = run.lora_loads
     out["capacity_rps"] = None
+    flow = [r for r in recs if r.flow_wait > 0 or r.refused_at is not None]
+    if flow:  # flow control ran and held or refused some: other results keep their keys
+        waits = [r.flow_wait for r in recs if r.flow_wait > 0 and r.rejected is None]
+        refused: dict[str, int] = {}
+        for r in flow:
+            if r.refused_at is not None and r.rejected is not None:
+                refused[r.rejected] = refused.get(r.rejected, 0) + 1
+        out["flow"] = {
+            "queued": len(flow),
+            "wait_p50": percentile(waits, 50),
+            "wait_p99": percentile(waits, 99),
+            "refused": dict(sorted(refused.items())),
+        }
     classes = sorted({r.info.slo.name for r in recs})
     if len(classes) > 1:
         out["per_class"] = {

@@ -7,8 +7,10 @@ line is reported with its file and line number.
 
 ``recorded:`` reads what ``kvgate serve --record`` writes: the same lines with
 optional ``block_size`` (tokens per hash id, default 512), ``slo_class``,
-``model``, ``ok`` and ``recording_start`` (unix ms of the line's time zero,
-so several recordings merge on one timeline), from a file and its rotated
+``model``, ``ok``, ``session`` (the salted session id: the replayed request
+carries it as its session), ``tenant`` (the salted tenant) and ``priority`` (flow
+control replays both) and ``recording_start`` (unix ms of the line's time
+zero, so several recordings merge on one timeline), from a file and its rotated
 siblings, a directory or a glob.
 """
 
@@ -146,7 +148,7 @@ def load_recorded(
     if failed not in ("keep", "drop"):
         raise WorkloadError(f"recorded: failed must be keep or drop, got {failed!r}")
     memo: dict[tuple[int, int, int], tuple[int, ...]] = {}
-    rows: list[tuple[float, int, int, tuple[int, ...], SloClass]] = []
+    rows: list[tuple[float, int, int, tuple[int, ...], SloClass, str | None, str, int]] = []
     for file in recorded_files(spec):
         name = str(file)
         try:
@@ -180,7 +182,13 @@ def load_recorded(
                         if isinstance(slo_name, str)
                         else options.default_class
                     )
-                    rows.append((start + ts, n_in, n_out, hashes, slo))
+                    session = obj.get("session")
+                    session = session if isinstance(session, str) and session else None
+                    tenant = obj.get("tenant")
+                    tenant = tenant if isinstance(tenant, str) else ""
+                    prio = obj.get("priority", 0)
+                    prio = prio if isinstance(prio, int) and not isinstance(prio, bool) else 0
+                    rows.append((start + ts, n_in, n_out, hashes, slo, session, tenant, prio))
         except UnicodeDecodeError as exc:
             raise WorkloadError(f"not UTF-8 text ({exc.reason})", path=name) from None
         except OSError as exc:
@@ -198,8 +206,11 @@ def load_recorded(
             output_tokens=n_out,
             block_hashes=hashes,
             slo=slo,
+            session=session,
+            tenant=tenant,
+            priority=prio,
         )
-        for i, (t, n_in, n_out, hashes, slo) in enumerate(rows)
+        for i, (t, n_in, n_out, hashes, slo, session, tenant, prio) in enumerate(rows)
     ]
 
 

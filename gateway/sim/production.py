@@ -40,8 +40,9 @@ one hour); ``docs/simulator.md`` compares the statistics with the traces'.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gateway.core.errors import WorkloadError
 from gateway.sim.gen_common import (
@@ -206,5 +207,52 @@ def agent(s: Setup) -> list[Draft]:
 
     def next_piece() -> int:
         return lognormal_len(s.rng, result, result_sigma, shape.max_len)
+
+    return _sessions(s, shape, opening, next_piece)
+
+
+CHAT_BURST_DEFAULTS: dict[str, int | float] = {
+    **_SESSION_DEFAULTS,
+    "system_tokens": 512,
+    "user_tokens": 12000,
+    "pareto_alpha": 1.3,
+    "followup_tokens": 1200,
+    "followup_sigma": 1.2,
+    "output_tokens": 340,
+    "think": 60.0,
+    "tick": 1.0,
+    "burst_cv": 3.0,
+}
+CHAT_BURST_RATE = CHAT_RATE
+"""``chat_burst`` arrives at the conversation trace's rate."""
+
+
+def pareto_len(rng: random.Random, mean: float, alpha: float, cap: int) -> int:
+    """A Pareto length of mean ``mean`` and tail index ``alpha`` (> 1), clipped to [1, cap]."""
+    scale = mean * (alpha - 1.0) / alpha
+    value: float = scale * (1.0 - rng.random()) ** (-1.0 / alpha)
+    return max(1, min(cap, round(value)))
+
+
+def chat_burst(s: Setup) -> list[Draft]:
+    """Chat sessions behind one shared first block, Pareto-tailed first messages, and
+    sessions that start in bursts (Gamma gaps of CV ``burst_cv`` unless ``arrival`` is set)."""
+    if "arrival" not in s.params:
+        s = replace(s, params={**s.params, "arrival": "gamma", "cv": repr(s.get_float("burst_cv"))})
+    shape = _shape(s)
+    system = (s.ids.fresh(), s.get_int("system_tokens"))
+    if system[1] >= shape.max_len - 1:
+        raise WorkloadError("parameter system_tokens must leave room below max_len")
+    alpha = s.get_float("pareto_alpha")
+    if alpha <= 1.0:
+        raise WorkloadError(f"parameter pareto_alpha must be > 1, got {alpha:g}")
+    user = s.get_int("user_tokens")
+    follow_mean, follow_sigma = s.get_int("followup_tokens"), s.get_float("followup_sigma")
+
+    def opening(budget: int) -> list[Piece]:
+        return [system, (s.ids.fresh(), pareto_len(s.rng, user, alpha, max(1, budget - system[1])))]
+
+    def next_piece() -> int:
+        return lognormal_len(s.rng, follow_mean, follow_sigma, shape.max_len)
 
     return _sessions(s, shape, opening, next_piece)

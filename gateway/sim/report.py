@@ -23,6 +23,7 @@ _COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("load_cv_mean", "load CV", "num"),
     ("load_cv_p95", "load CV p95", "num"),
     ("preemptions", "preempt.", "int"),
+    ("lora_loads", "LoRA loads", "int"),
     ("decision_us_p50", "decide p50 µs", "num"),
     ("decision_us_p99", "decide p99 µs", "num"),
     ("capacity_rps", "capacity req/s", "num"),
@@ -180,6 +181,7 @@ _CONSOLE: tuple[tuple[str, str, str], ...] = (
     ("ttft_p99", "TTFT p99", "s"),
     ("goodput", "goodput", "pct"),
     ("capacity_rps", "cap. req/s", "num"),
+    ("lora_loads", "LoRA loads", "int"),
 )
 
 

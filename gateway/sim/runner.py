@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from gateway.policies.base import PolicyContext
 from gateway.policies.registry import create_policy
@@ -65,6 +65,20 @@ def run_policy(
     return Simulation(cluster, policy, workload, timer=timer).run()
 
 
+class CapacityOptions(TypedDict, total=False):
+    """The capacity search's knobs, passed through by keyword to :func:`workload_capacity`."""
+
+    target: float
+    steps: int | None
+    tolerance: float
+    first: SimRun | None
+    ttft_only: bool
+    bracket: float
+    early_stop: bool
+    cap: float
+    floor: float
+
+
 def capacity_search(
     name: str,
     workload: Workload,
@@ -72,6 +86,28 @@ def capacity_search(
     *,
     seed: int = 0,
     options: Mapping[str, Any] | None = None,
+    **search: Unpack[CapacityOptions],
+) -> tuple[float, int]:
+    """Highest arrival rate (req/s) with SLO attainment >= ``target``, and runs used.
+
+    Scales the workload's arrival times (see :func:`search_rate`: bracket by
+    ``bracket``-fold steps from 1x, then bisect until the bracket is within
+    ``tolerance``). ``ttft_only`` counts the TTFT target alone (DualMap's
+    criterion); otherwise both TTFT and TPOT. ``early_stop``: a probe stops as
+    soon as it has certainly failed (:mod:`gateway.sim.early_stop`; same answer).
+    The knobs and their defaults: :func:`workload_capacity`.
+    """
+    return workload_capacity(
+        workload,
+        lambda wl, b: run_policy(name, wl, cluster, seed=seed, options=options, budget=b),
+        **search,
+    )
+
+
+def workload_capacity(
+    workload: Workload,
+    simulate: Callable[[Workload, MissBudget | None], SimRun],
+    *,
     target: float = CAPACITY_TARGET,
     steps: int | None = None,
     tolerance: float = CAPACITY_TOLERANCE,
@@ -82,24 +118,16 @@ def capacity_search(
     cap: float = 64.0,
     floor: float = 1 / 64,
 ) -> tuple[float, int]:
-    """Highest arrival rate (req/s) with SLO attainment >= ``target``, and runs used.
-
-    Scales the workload's arrival times (see :func:`search_rate`: bracket by
-    ``bracket``-fold steps from 1x, then bisect until the bracket is within
-    ``tolerance``). ``ttft_only`` counts the TTFT target alone (DualMap's
-    criterion); otherwise both TTFT and TPOT. ``early_stop``: a probe stops as
-    soon as it has certainly failed (:mod:`gateway.sim.early_stop`; same answer).
-    """
-
-    def one(factor: float, budget: MissBudget | None) -> SimRun:
-        scaled = workload.scaled(factor)
-        return run_policy(name, scaled, cluster, seed=seed, options=options, budget=budget)
+    """The capacity search of policies and bounds alike: :func:`search_rate` over
+    ``workload`` scaled in time, each probe ``simulate(scaled, budget)`` (see
+    :func:`probe_attainment`); ``first``, when given, is the 1x run. (req/s, runs)."""
 
     def attainment(factor: float) -> float:
         if factor == 1.0 and first is not None:
             return slo_attainment(first, ttft_only=ttft_only)
+        scaled = workload.scaled(factor)
         return probe_attainment(
-            lambda b: one(factor, b),
+            lambda b: simulate(scaled, b),
             len(workload),
             target,
             ttft_only=ttft_only,

@@ -37,7 +37,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from typing import Any
+from typing import Any, Unpack
 
 from gateway.core.types import RequestInfo
 from gateway.perfmodel.engine import EngineCore, EngineRequest, StepOutcome
@@ -45,8 +45,13 @@ from gateway.perfmodel.kvcache import BlockPool
 from gateway.sim.bound import fraction_of_bound
 from gateway.sim.early_stop import MissBudget
 from gateway.sim.loop import ClusterSpec, RequestRecord, SimRun
-from gateway.sim.metrics import slo_attainment, summarize
-from gateway.sim.runner import CAPACITY_TARGET, CAPACITY_TOLERANCE, probe_attainment, search_rate
+from gateway.sim.metrics import summarize
+from gateway.sim.runner import (
+    CAPACITY_TARGET,
+    CAPACITY_TOLERANCE,
+    CapacityOptions,
+    workload_capacity,
+)
 from gateway.sim.workloads import Workload
 
 SCAN_LIMIT = 64
@@ -293,37 +298,11 @@ def run_shared_queue(
 def shared_queue_capacity(
     workload: Workload,
     cluster: ClusterSpec,
-    *,
-    target: float = CAPACITY_TARGET,
-    steps: int | None = None,
-    tolerance: float = CAPACITY_TOLERANCE,
-    first: SimRun | None = None,
-    ttft_only: bool = False,
-    bracket: float = 2.0,
-    early_stop: bool = True,
+    **search: Unpack[CapacityOptions],
 ) -> tuple[float, int]:
     """The bound's capacity, searched exactly as the policies' (``runner.search_rate``)."""
-
-    def attainment(factor: float) -> float:
-        if factor == 1.0 and first is not None:
-            return slo_attainment(first, ttft_only=ttft_only)
-        scaled = workload.scaled(factor)
-        return probe_attainment(
-            lambda b: run_shared_queue(scaled, cluster, budget=b),
-            len(workload),
-            target,
-            ttft_only=ttft_only,
-            early_stop=early_stop,
-        )
-
-    return search_rate(
-        workload.rate,
-        attainment,
-        target,
-        tolerance=tolerance,
-        max_steps=steps,
-        free_first=first is not None,
-        bracket=bracket,
+    return workload_capacity(
+        workload, lambda wl, b: run_shared_queue(wl, cluster, budget=b), **search
     )
 
 

@@ -12,7 +12,10 @@ A workload spec is ``KIND:ARG`` with optional ``?key=value&...`` parameters:
 * ``gen:NAME`` — a parametric generator (see :data:`GENERATORS`).
 
 Every kind accepts ``slo_mix=interactive:0.2,standard:0.8`` to assign SLO
-classes, and the options' ``limit`` and ``rate_scale``.
+classes, ``tenant_mix=a:1,b:1,c:10`` to assign tenants (seeded draws by weight),
+``priority_mix=0:0.2,10:0.8`` to assign vLLM priorities, or ``priority_by_slo=interactive:0,
+batch:10`` to give each SLO class a priority (after ``slo_mix``), and the options' ``limit``
+and ``rate_scale``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,13 @@ class WorkloadRequest:
     block_hashes: tuple[int, ...]
     slo: SloClass = DEFAULT_SLO
     session: str | None = None
+    lora: str = ""
+    """The LoRA adapter the request names ("" = the base model); ``block_hashes`` are
+    seeded with its partition (``partition_seed``)."""
+    tenant: str = ""
+    """Who sent it (flow control's fairness unit; a recording's hashed API key)."""
+    priority: int = 0
+    """vLLM's ``priority`` (lower is served first), as flow control reads it."""
 
 
 def builtin_slo_classes(ttft_s: float = 5.0, tpot_s: float = 0.1) -> dict[str, SloClass]:
@@ -139,6 +149,7 @@ def load_workload(spec: str, options: WorkloadOptions | None = None) -> Workload
         raise WorkloadError(f"unknown default SLO class {options.default_slo!r}")
     kind, arg, params = parse_spec(spec)
     slo_mix = params.pop("slo_mix", None)
+    flow_mix = {k: params.pop(k) for k in FLOW_MIXES if k in params}
     if kind == "mooncake":
         from gateway.sim.mooncake import load_mooncake
 
@@ -167,9 +178,12 @@ def load_workload(spec: str, options: WorkloadOptions | None = None) -> Workload
     if slo_mix is not None:
         seed = params.get("seed", str(options.seed))
         requests = assign_slo_mix(requests, slo_mix, options, seed=seed)
+    if flow_mix:
+        requests = assign_flow_mix(requests, flow_mix, seed=params.get("seed", str(options.seed)))
     shown = dict(params)
     if slo_mix is not None:
         shown["slo_mix"] = slo_mix
+    shown.update(flow_mix)
     workload = Workload(
         name=spec,
         requests=tuple(requests),
@@ -214,6 +228,56 @@ def assign_slo_mix(
     classes = [c for c, _ in mix]
     weights = [w for _, w in mix]
     return [replace(r, slo=rng.choices(classes, weights)[0]) for r in requests]
+
+
+FLOW_MIXES = ("tenant_mix", "priority_mix", "priority_by_slo")
+
+
+def _weights(text: str, what: str) -> list[tuple[str, float]]:
+    out: list[tuple[str, float]] = []
+    for part in text.split(","):
+        name, _, weight = part.partition(":")
+        try:
+            w = float(weight) if weight else 1.0
+        except ValueError:
+            raise WorkloadError(f"{what}: weight {weight!r} of {name!r} is not a number") from None
+        if not name.strip() or w < 0:
+            raise WorkloadError(f"{what}: needs NAME:WEIGHT pairs with weights >= 0")
+        out.append((name.strip(), w))
+    if not out or sum(w for _, w in out) <= 0:
+        raise WorkloadError(f"{what}: needs at least one positive weight")
+    return out
+
+
+def assign_flow_mix(
+    requests: Sequence[WorkloadRequest], mixes: Mapping[str, str], *, seed: str
+) -> list[WorkloadRequest]:
+    """Give each request a tenant and a priority from ``tenant_mix``, ``priority_mix`` or
+    ``priority_by_slo`` (seeded draws; see the module docstring)."""
+    out = list(requests)
+    if "tenant_mix" in mixes:
+        pairs = _weights(mixes["tenant_mix"], "tenant_mix")
+        rng = random.Random(f"{seed}:tenant_mix")
+        names, ws = [n for n, _ in pairs], [w for _, w in pairs]
+        out = [replace(r, tenant=rng.choices(names, ws)[0]) for r in out]
+    if "priority_mix" in mixes:
+        pairs = _weights(mixes["priority_mix"], "priority_mix")
+        try:
+            prios = [int(n) for n, _ in pairs]
+        except ValueError:
+            raise WorkloadError("priority_mix: priorities must be integers") from None
+        rng = random.Random(f"{seed}:priority_mix")
+        out = [replace(r, priority=rng.choices(prios, [w for _, w in pairs])[0]) for r in out]
+    if "priority_by_slo" in mixes:
+        table: dict[str, int] = {}
+        for part in mixes["priority_by_slo"].split(","):
+            name, _, value = part.partition(":")
+            try:
+                table[name.strip()] = int(value)
+            except ValueError:
+                raise WorkloadError(f"priority_by_slo: {part!r} is not CLASS:INT") from None
+        out = [replace(r, priority=table.get(r.slo.name, r.priority)) for r in out]
+    return out
 
 
 def int_param(params: Mapping[str, str], key: str, default: int, *, minimum: int = 0) -> int:

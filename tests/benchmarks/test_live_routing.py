@@ -6,24 +6,22 @@ import asyncio
 import itertools
 import json
 import os
-import sys
+import re
 from pathlib import Path
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import live_routing
-from live_routing_cluster import EngineSpec, scrape, start_engines
-from live_routing_run import _probe
-from live_routing_workloads import (
+from benchmarks.live import routing as live_routing
+from benchmarks.live.cluster import EngineSpec, scrape, start_engines
+from benchmarks.live.run import _probe
+from benchmarks.live.workloads import (
     SharedPrefixShape,
     no_reuse_capacity,
     shared_prefix_requests,
     trace_requests,
     unique_requests,
 )
-
 from gateway.emulator.tokenizer import FakeTokenizer
 from gateway.perfmodel.presets import load_preset
 from gateway.sim.workloads import WorkloadOptions, load_workload
@@ -133,4 +131,6 @@ def test_a_tiny_run_measures_hits_shares_and_targets(
     assert "KV ok on 2 engines" in text
     assert "| round_robin |" in text
     assert "shared busiest engine" in text and "pass  round_robin" in text
-    assert os.getloadavg() and "load average" in text
+    now = re.search(r"load average now (\d+\.\d\d) (\d+\.\d\d) (\d+\.\d\d) \((\d+) CPUs\)", text)
+    assert now and int(now[4]) == os.cpu_count()  # the machine's load when done, and its CPUs
+    assert row["load1"] >= 0 and f"load {row['load1']:.1f}, CPU s" in text  # each run's, at start

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import suite
+from benchmarks.quality import suite
 
 
 def test_tiny_suite_renders_ratios_and_notes(

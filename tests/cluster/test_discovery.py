@@ -19,11 +19,11 @@ from gateway.cluster.discovery import (
     Plan,
     RegistryMembership,
     Target,
-    in_cluster_api_server,
     plan,
     slice_port,
     slice_targets,
 )
+from gateway.cluster.kube_api import in_cluster_api_server
 from gateway.cluster.monitor import EngineMonitor
 from gateway.cluster.registry import EngineRegistry, Health
 from gateway.config import DiscoveryConfig, KubeServiceConfig, load_settings

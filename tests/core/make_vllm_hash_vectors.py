@@ -9,8 +9,11 @@ Each vector holds the token ids, block size, hash algorithm and NONE_HASH seed
 ``NONE_HASH``, every full block's 32-byte digest (from a real ``vllm.v1.request.Request``
 with vLLM's own request block hasher, checked against ``hash_block_tokens`` chained by
 hand), and the 64-bit ids its KV events publish (``maybe_convert_block_hash`` with
-``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` at its default). ``tests/core/test_vllm_hash.py``
-checks ``gateway.core.vllm_hash`` against the file.
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` at its default). Keyed vectors add a request's
+``lora`` (a ``LoRARequest``: name, int id, path) and/or ``cache_salt``, the ``extra_keys``
+vLLM hashed per block (``generate_block_hash_extra_keys``, as JSON lists) and the untagged
+per-block ``extra_keys`` its KV events publish (``to_event_extra_keys``).
+``tests/core/test_vllm_hash.py`` checks ``gateway.core.vllm_hash`` against the file.
 """
 
 from __future__ import annotations
@@ -43,10 +46,84 @@ def token_sequences() -> dict[str, list[int]]:
     }
 
 
+# (name, lora (name, int id, path) or None, cache_salt or None)
+KEYED: list[tuple[str, tuple[str, int, str] | None, str | None]] = [
+    ("salt", None, "tenant-a"),
+    ("salt_unicode", None, "sel-\u00fc-\u6f22"),
+    ("salt_empty", None, ""),
+    ("lora", ("adapter-a", 1, "/models/adapters/a"), None),
+    ("lora_other_path", ("adapter-a", 1, "/models/adapters/a-v2"), None),
+    ("lora_other_id", ("adapter-a", 7, "/models/adapters/a"), None),
+    ("lora_salt", ("adapter-b", 2, "/models/adapters/b"), "tenant-a"),
+]
+KEYED_TOKENS = ("short_15", "range_16", "range_64", "llama_like_100")
+
+
+def keyed_vectors(
+    kcu: Any, algos: dict[str, Any], request_cls: Any, params_cls: Any, lora_cls: Any
+) -> list[dict[str, Any]]:
+    """Salted / LoRA vectors from a real Request with vLLM's own request block hasher."""
+    out: list[dict[str, Any]] = []
+    sequences = token_sequences()
+    for algo, fn in algos.items():
+        for seed in (None, "12345"):
+            if seed is None:
+                os.environ.pop("PYTHONHASHSEED", None)
+            else:
+                os.environ["PYTHONHASHSEED"] = seed
+            kcu.init_none_hash(fn)
+            for block_size in (16, 32):
+                for key_name, lora, salt in KEYED:
+                    for name in KEYED_TOKENS:
+                        tokens = sequences[name]
+                        lora_request = (
+                            None
+                            if lora is None
+                            else lora_cls(lora_name=lora[0], lora_int_id=lora[1], lora_path=lora[2])
+                        )
+                        request = request_cls(
+                            f"{key_name}-{name}-{block_size}",
+                            list(tokens),
+                            params_cls(max_tokens=1),
+                            None,
+                            lora_request=lora_request,
+                            cache_salt=salt,
+                            block_hasher=kcu.get_request_block_hasher(block_size, fn),
+                        )
+                        digests = [bytes(h) for h in request.block_hashes]
+                        assert len(digests) == len(tokens) // block_size
+                        hashed = [
+                            kcu.generate_block_hash_extra_keys(
+                                request, k * block_size, (k + 1) * block_size, 0
+                            )[0]
+                            for k in range(len(digests))
+                        ]
+                        out.append(
+                            {
+                                "name": f"{key_name}-{name}",
+                                "algo": algo,
+                                "seed": seed,
+                                "block_size": block_size,
+                                "tokens": tokens,
+                                "lora": None
+                                if lora is None
+                                else {"name": lora[0], "int_id": lora[1], "path": lora[2]},
+                                "cache_salt": salt,
+                                "none_hash": bytes(kcu.NONE_HASH).hex(),
+                                "digests": [d.hex() for d in digests],
+                                "event_ids": [kcu.maybe_convert_block_hash(d) for d in digests],
+                                "hashed_extra_keys": hashed,
+                                "event_extra_keys": kcu.to_event_extra_keys(hashed),
+                            }
+                        )
+    return out
+
+
 def main() -> int:
     os.environ.pop("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", None)
     import vllm
     import vllm.v1.core.kv_cache_utils as kcu
+    from vllm.lora.request import LoRARequest
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256, sha256_cbor
     from vllm.v1.request import Request
@@ -90,6 +167,7 @@ def main() -> int:
                             "event_ids": [kcu.maybe_convert_block_hash(d) for d in digests],
                         }
                     )
+    vectors += keyed_vectors(kcu, algos, Request, SamplingParams, LoRARequest)
     os.environ.pop("PYTHONHASHSEED", None)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     head = {"generator": "tests/core/make_vllm_hash_vectors.py", "vllm_version": vllm.__version__}

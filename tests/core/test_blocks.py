@@ -373,3 +373,23 @@ def test_trace_memo_same_id_other_position() -> None:
     memo: dict[int, tuple[int, ...]] = {}
     hashes_from_trace([7], 512, 16, memo=memo)
     assert hashes_from_trace([3, 7], 1024, 16, memo=memo) == hashes_from_trace([3, 7], 1024, 16)
+
+
+def test_partitions_share_no_block() -> None:
+    """Adapters and cache salts each get their own hash chain; the base model keeps its seed
+    (breaking partition_seed to return ``seed`` makes the salted keys equal and this fails)."""
+    from gateway.core.blocks import partition_seed
+
+    tokens = list(range(64))
+    base = hashes_from_tokens(tokens, 16, partition_seed(0))
+    assert base == hashes_from_tokens(tokens, 16, 0)
+    keys = {
+        base,
+        hashes_from_tokens(tokens, 16, partition_seed(0, cache_salt="a")),
+        hashes_from_tokens(tokens, 16, partition_seed(0, cache_salt="b")),
+        hashes_from_tokens(tokens, 16, partition_seed(0, lora="x")),
+        hashes_from_tokens(tokens, 16, partition_seed(0, lora="x", cache_salt="a")),
+    }
+    assert len(keys) == 5
+    firsts = {k[0] for k in keys}
+    assert len(firsts) == 5  # not even the first block is shared

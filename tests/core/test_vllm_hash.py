@@ -2,7 +2,8 @@
 
 ``data/vllm_hash_vectors.json`` was written by ``make_vllm_hash_vectors.py`` running
 vLLM 0.32's own block hasher (sha256 and sha256_cbor, block sizes 16 and 32, with and
-without a PYTHONHASHSEED seed); regenerate it with ``.venv-vllm/bin/python
+without a PYTHONHASHSEED seed; plain prompts, and requests with a LoRA adapter, a
+cache_salt or both); regenerate it with ``.venv-vllm/bin/python
 tests/core/make_vllm_hash_vectors.py``.
 """
 
@@ -19,10 +20,13 @@ from hypothesis import strategies as st
 
 from gateway.core.vllm_hash import (
     ALGORITHMS,
+    LoraKey,
     block_digests,
     block_ids,
     cbor,
+    event_extra_keys,
     event_id,
+    extra_keys,
     hash_value,
     none_hash,
 )
@@ -41,6 +45,25 @@ def _id(v: dict[str, Any]) -> str:
     return f"{v['algo']}-seed={v['seed']}-bs{v['block_size']}-{v['name']}"
 
 
+def _keys(v: dict[str, Any]) -> dict[str, Any]:
+    """The vector's request keys as ``block_ids`` takes them."""
+    lora = v.get("lora")
+    return {
+        "lora": None if lora is None else LoraKey(lora["name"], lora["path"]),
+        "cache_salt": v.get("cache_salt"),
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, tuple | list):
+        return [_jsonable(x) for x in value]
+    return value
+
+
+def keyed() -> list[dict[str, Any]]:
+    return [v for v in vectors() if "lora" in v]
+
+
 # -- golden vectors from vLLM ------------------------------------------------------------
 def test_the_vectors_cover_what_they_claim() -> None:
     vs = vectors()
@@ -48,14 +71,61 @@ def test_the_vectors_cover_what_they_claim() -> None:
     assert {v["block_size"] for v in vs} == {16, 32}
     assert None in {v["seed"] for v in vs} and len({v["seed"] for v in vs}) >= 2
     assert sum(len(v["digests"]) for v in vs) > 100  # not a file of empty chains
+    ks = keyed()
+    assert any(v["lora"] and not v["cache_salt"] for v in ks)
+    assert any(v["cache_salt"] and not v["lora"] for v in ks)
+    assert any(v["lora"] and v["cache_salt"] for v in ks)
+    assert {v["algo"] for v in ks} == set(ALGORITHMS)
+    assert sum(len(v["digests"]) for v in ks) > 100
 
 
 @pytest.mark.parametrize("v", vectors(), ids=_id)
 def test_matches_vllm(v: dict[str, Any]) -> None:
     tokens, bs, algo, seed = v["tokens"], v["block_size"], v["algo"], v["seed"]
     assert none_hash(algo, seed).hex() == v["none_hash"]
-    assert [d.hex() for d in block_digests(tokens, bs, algo=algo, seed=seed)] == v["digests"]
-    assert list(block_ids(tokens, bs, algo=algo, seed=seed)) == v["event_ids"]
+    keys = _keys(v)
+    digests = block_digests(tokens, bs, algo=algo, seed=seed, **keys)
+    assert [d.hex() for d in digests] == v["digests"]
+    assert list(block_ids(tokens, bs, algo=algo, seed=seed, **keys)) == v["event_ids"]
+
+
+@pytest.mark.parametrize("v", keyed(), ids=_id)
+def test_extra_keys_match_what_vllm_hashed_and_published(v: dict[str, Any]) -> None:
+    n = len(v["digests"])
+    keys = _keys(v)
+    assert [_jsonable(extra_keys(k, **keys)) for k in range(n)] == v["hashed_extra_keys"]
+    assert _jsonable(event_extra_keys(n, **keys)) == v["event_extra_keys"]
+
+
+def test_salt_and_adapter_partition_the_cache_as_vllm_does() -> None:
+    """The facts the vectors pin: a salt changes only the first block's own hash (and so
+    every later id, through the chain), a LoRA name or path changes every block, the
+    adapter's int id and an empty salt change nothing."""
+    by_name = {
+        v["name"]: v
+        for v in vectors()
+        if v["algo"] == "sha256" and v["seed"] is None and v["block_size"] == 16
+    }
+    plain = by_name["range_64"]["event_ids"]
+    for name in ("salt", "lora", "lora_other_path", "lora_salt", "salt_unicode"):
+        ids = by_name[f"{name}-range_64"]["event_ids"]
+        assert all(a != b for a, b in zip(ids, plain, strict=True)), name
+    assert by_name["salt_empty-range_64"]["event_ids"] == plain
+    assert by_name["lora_other_id-range_64"]["event_ids"] == by_name["lora-range_64"]["event_ids"]
+    assert by_name["lora_other_path-range_64"]["event_ids"] != by_name["lora-range_64"]["event_ids"]
+
+
+def test_defaults_keep_plain_ids() -> None:
+    tokens = list(range(40))
+    assert block_ids(tokens, 16) == block_ids(tokens, 16, lora=None, cache_salt=None)
+    assert block_ids(tokens, 16) == block_ids(tokens, 16, cache_salt="")
+    assert extra_keys(0) is None and extra_keys(3, cache_salt="s") is None
+    assert event_extra_keys(0, cache_salt="s") is None
+    assert event_extra_keys(2) == [None, None]
+    assert event_extra_keys(2, start=1, cache_salt="s", lora=LoraKey("a", "/p")) == [
+        ("a",),
+        ("a",),
+    ]
 
 
 def test_event_ids_are_the_low_64_bits_of_the_digests() -> None:

@@ -27,7 +27,9 @@ from deploy_assets import (
 from prometheus_client import CollectorRegistry
 
 from gateway.cluster.registry import EngineRegistry
+from gateway.flow import FairQueue
 from gateway.observability import GatewayMetrics
+from gateway.proxy.flow_metrics import FlowMetrics
 
 DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
 SEVERITIES = {"critical", "warning", "info"}
@@ -179,6 +181,7 @@ def test_every_grafana_variable_is_substituted() -> None:
 def test_every_kvgate_metric_referenced_is_exported_by_the_gateway() -> None:
     metrics = GatewayMetrics(CollectorRegistry())
     metrics.watch_engines(EngineRegistry(), lambda: {})
+    FlowMetrics(metrics.registry, FairQueue(), max_tenants=5)  # flow control's collectors
     exported: set[str] = set()
     for family in metrics.registry.collect():
         if family.type == "counter":

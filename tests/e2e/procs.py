@@ -81,8 +81,10 @@ def start_emulator(
     port: int | None = None,
     name: str | None = None,
     timeout: float = 30.0,
+    wait: bool = True,
 ) -> Proc:
-    """An emulated engine on ``port`` (a free one by default), healthy when returned."""
+    """An emulated engine on ``port`` (a free one by default), healthy when returned
+    (``wait=False``: just started; wait for its ``/health`` yourself)."""
     port = port or free_port()
     proc = start(
         [
@@ -101,7 +103,8 @@ def start_emulator(
         port,
         logdir,
     )
-    wait_for(proc, "/health", timeout=timeout)
+    if wait:
+        wait_for(proc, "/health", timeout=timeout)
     return proc
 
 

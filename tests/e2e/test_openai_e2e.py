@@ -141,8 +141,15 @@ async def test_killing_an_engine_loses_no_unstarted_request(tmp_path: Path) -> N
             return r.headers["x-kvgate-engine"]
 
         tasks = [asyncio.create_task(one(i)) for i in range(12)]
-        await asyncio.sleep(0.4)  # every request is in flight (each takes ~1.2 s of decode)
         victim = c.engines[0]
+        async with asyncio.timeout(30):  # every request is in flight, some on the victim
+            while True:
+                async with httpx.AsyncClient() as http:
+                    text = (await http.get(c.gateway.url + "/metrics")).text
+                flying = sample_sum(text, "kvgate_engine_in_flight")
+                if flying == 12 and sample_sum(text, "kvgate_engine_in_flight", engine=victim.url):
+                    break
+                await asyncio.sleep(0.01)
         victim.kill()
         served = await asyncio.gather(*tasks)
         assert len(served) == 12
@@ -189,16 +196,26 @@ def test_held_request_leaves_the_router_queue_when_its_client_leaves(tmp_path: P
             )
         )
         thread.start()
-        time.sleep(0.15)
+        deadline = time.monotonic() + 10  # the blocker is routed: the engine's pending is up
+        while not any(
+            e["pending_prefill_tokens_est"] > 10
+            for e in httpx.get(url + "/admin/engines").json()["engines"]
+        ):
+            assert time.monotonic() < deadline, "the blocker was never routed"
+            time.sleep(0.01)
         # ...so this one is held in the router queue, and its client gives up while held.
         held = {"model": MODEL, "prompt": "held " * 300, "max_tokens": 1}
         with pytest.raises(httpx.TimeoutException):
             httpx.post(url + "/v1/completions", json=held, timeout=0.2)
         deadline = time.monotonic() + 5
-        while httpx.get(url + "/admin/engines").json()["router_queued"] and (
+        while (queue := httpx.get(url + "/admin/engines").json())["router_queued"] and (
             time.monotonic() < deadline
         ):
             time.sleep(0.05)
+        # it left the queue while the blocker still kept the engine above the dispatch
+        # threshold: dropped (its client gone), not released to the engine
+        assert queue["router_queued"] == 0, queue
+        assert queue["engines"][0]["pending_prefill_tokens_est"] > 10, queue
         thread.join(timeout=30)
         text = httpx.get(url + "/metrics").text
         admin = httpx.get(url + "/admin/engines").json()

@@ -91,7 +91,9 @@ def ask(oa: OpenAI, messages: list[dict[str, str]] | None, prompt: str | None, s
     return oa.completions.create(model=MODEL, prompt=prompt, max_tokens=8).choices[0].text
 
 
-@pytest.fixture(scope="module", params=sorted({"cost_model", DEFAULT_POLICY, "round_robin"}))
+@pytest.fixture(
+    scope="module", params=sorted({"cost_model", DEFAULT_POLICY, "least_loaded", "round_robin"})
+)
 def pd(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, Cluster]]:
@@ -127,10 +129,12 @@ def test_issue_14_scenario_counts_legs_on_each_engine(pd: tuple[str, Cluster]) -
     # cold ~3,000-token prompts: always the prefill pool (remote_long), both engines of it
     assert cold_reasons["remote_long"] == 8 and sum(cold_prefill) == 8 == sum(cold_pulls)
     assert sum(cold_pulled) > 8 * 2900  # each decode leg loaded the whole prompt's KV
-    if policy == "round_robin":  # knows no cache: every chat prompt is "uncached" (rule 5)
+    if policy in ("least_loaded", "round_robin"):  # no cache: every chat prompt is "uncached"
         assert chat_reasons["remote_uncached"] == 12 and sum(chat_prefill) == 12
+        assert min(chat_prefill) >= 5 and min(chat_decode) >= 5 and min(cold_prefill) >= 3
+    if policy == "round_robin":
         assert chat_prefill == [6, 6] and chat_decode == [6, 6] and cold_prefill == [4, 4]
-    else:
+    if policy not in ("least_loaded", "round_robin"):
         # the first chat request is cold (remote); the others find the system prompt on
         # the decode engine that loaded it: 70-80 % cached, prefilled there (local_cached)
         assert chat_reasons["remote_uncached"] == 1 and chat_reasons["local_cached"] == 11
@@ -148,6 +152,23 @@ def test_issue_14_scenario_counts_legs_on_each_engine(pd: tuple[str, Cluster]) -
     assert by_prefill == expected
     assert {x["engine"] for x in logged} <= {e.url for e in d_engines}
     assert Counter(str(x["pd_reason"]) for x in logged)["remote_long"] == 8
+
+
+def test_sequential_cold_prompts_use_both_decode_engines(pd: tuple[str, Cluster]) -> None:
+    """Issue 21: eight cold ~3,000-token prompts one after another, each answered before the
+    next is sent (the engines look alike to every scrape): no reuse pays on a decode engine,
+    so both decode engines serve them (4/4, 3/5 at worst), and both prefill engines."""
+    _, c = pd
+    oa = OpenAI(base_url=c.gateway.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    rnd = random.Random(21)
+    before = snapshot(c)
+    for i in range(8):
+        doc = " ".join(f"{rnd.random():.6f}" for _ in range(1500))
+        assert ask(oa, None, doc, stream=i % 2 == 0)
+    legs = delta(c, before, "requests")
+    prefill, decode = legs[:2], legs[2:]
+    assert sum(decode) == 8 and min(decode) >= 3, decode
+    assert sum(prefill) == 8 == sum(delta(c, before, "pulls")[2:]) and min(prefill) >= 3, prefill
 
 
 def test_chat_stream_and_completion_go_through_both_legs(pd: tuple[str, Cluster]) -> None:

@@ -190,7 +190,9 @@ def test_nothing_of_the_prompts_or_outputs_is_in_the_recording(
     for r in rows(path):
         keys |= set(r)
         for key, value in r.items():
-            if isinstance(value, str):
+            if key == "tenant":  # flow control's tenant, salted: hex digits only
+                assert re.fullmatch(r"[0-9a-f]{16}", value), value
+            elif isinstance(value, str):
                 assert value in allowed_strings or key == "engine", (key, value)
             else:
                 assert isinstance(value, int | list), (key, value)  # bools are ints
@@ -209,6 +211,8 @@ def test_nothing_of_the_prompts_or_outputs_is_in_the_recording(
         "ok",
         "outcome",
         "recording_start",
+        "tenant",
+        "priority",
     }
     structural = sorted(keys | allowed_strings | {"true", "false", "null", "http"}, key=len)
     remainder = text

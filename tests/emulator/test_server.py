@@ -213,7 +213,9 @@ async def test_errors_have_vllms_shape(
 
 async def test_error_messages_match_vllm(client: httpx.AsyncClient) -> None:
     r = await client.post("/v1/completions", json={"prompt": "x", "model": "gpt-9"})
-    assert r.json()["error"]["message"] == "The model `gpt-9` does not exist."
+    assert r.json()["error"]["message"] == (
+        "The model `gpt-9` does not exist. Valid aliases: kvgate-emulated."
+    )
     r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 5000})
     assert "This model's maximum context length is 4096 tokens" in r.json()["error"]["message"]
 

@@ -18,7 +18,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +31,12 @@ from procs import MODEL, Proc, start, start_emulator, wait_for
 
 from gateway.cli.demo import free_port
 from gateway.core.blocks import hashes_from_tokens
+from gateway.core.types import Decision
 from gateway.perfmodel.model import PerfModel
 from gateway.perfmodel.presets import load_preset, preset_to_dict
 from gateway.policies.recording import Call
-from gateway.policies.recording_codec import decode_call
-from gateway.sim.loop import ClusterSpec
+from gateway.policies.recording_codec import decode_call, decode_spec
+from gateway.sim.loop import ClusterSpec, Simulation
 from gateway.sim.runner import run_policy
 from gateway.sim.workloads import Workload, WorkloadRequest
 
@@ -130,7 +131,9 @@ def start_cluster(logdir: Path, n: int = ENGINES) -> Cluster:
     engines = []
     try:
         for i in range(n):
-            engines.append(start_emulator(logdir, i, time_scale=TIME_SCALE, extra=extra))
+            engines.append(
+                start_emulator(logdir, i, time_scale=TIME_SCALE, extra=extra, timeout=120)
+            )
     except BaseException:
         for e in engines:
             e.stop()
@@ -154,7 +157,7 @@ def start_gateway(cluster: Cluster, policy: str, *, tag: str) -> Proc:
     port = free_port()
     proc = start(["serve", "--port", str(port), "--config", str(path)], f"gw-{tag}", port,
                  cluster.logdir)  # fmt: skip
-    wait_for(proc, "/ready")
+    wait_for(proc, "/ready", timeout=120)  # a loaded 2-core machine: 30 s were not enough
     return proc
 
 
@@ -258,6 +261,86 @@ def run_sim(policy: str, workload: Workload, urls: list[str]) -> list[Served]:
     ]
 
 
+class Follow:
+    """The policy under test inside the simulator, on the live run's routing: each decide
+    asks the policy (on the simulated view) and records its answer, then returns the
+    live run's decision for the request, so the simulated cluster holds what the live one
+    held when each request came. Every other call goes to the policy unchanged."""
+
+    def __init__(self, policy: Any, live: dict[str, Decision]) -> None:
+        self._policy = policy
+        self._live = live
+        self.own: dict[str, Decision] = {}
+        self.views: dict[str, Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._policy, name)
+
+    def decide(self, req: Any, view: Any, now: float) -> Decision:
+        own = self._policy.decide(req, view, now)
+        self.own.setdefault(req.id, own)
+        self.views.setdefault(req.id, view)
+        return self._live.get(req.id, own)
+
+
+def first_decides(calls: list[Call]) -> dict[str, Call]:
+    """Each request's first decide call in a live log."""
+    out: dict[str, Call] = {}
+    for c in calls:
+        if c.method == "decide":
+            out.setdefault(c.args[0].id, c)
+    return out
+
+
+@dataclass(frozen=True)
+class Followed:
+    """The live run's requests and routing replayed through the simulator (:func:`follow`)."""
+
+    agreement: float
+    """Share of requests the policy decided alike on the simulated and the live view
+    (engine and hold)."""
+    in_flight_gap: float
+    """Mean over requests of the summed per-engine difference between the router's own
+    in-flight counts in the live view and in the simulated one."""
+    in_flight: float
+    """Mean over requests of the simulated view's in-flight requests (all engines): the
+    scale of the gap."""
+    below: float
+    """Share of (request, engine) pairs where the live view counts fewer requests in flight
+    than the simulated one (the live engines cannot finish before the model does)."""
+
+
+def follow(workload: Workload, live: LiveRun, urls: list[str]) -> Followed:
+    """The live run's requests at the live arrival times (when the gateway decided), each
+    routed as the gateway routed it, through the simulator; at each request the policy
+    (built from the gateway's log spec, fed every hook the simulator calls) decides on the
+    simulated view too, and that view and decision are compared with the live ones."""
+    live_calls = first_decides(live.calls)
+    t0 = min(c.args[2] for c in live_calls.values())
+    first = min(r.arrival for r in workload.requests)
+    requests = sorted(
+        (replace(r, arrival=first + live_calls[r.id].args[2] - t0) for r in workload.requests),
+        key=lambda r: r.arrival,
+    )
+    cluster = ClusterSpec(
+        len(urls), engine_model(), engine_ids=tuple(urls), scrape_interval_s=SIM_SCRAPE_S
+    )
+    decided = {rid: c.result for rid, c in live_calls.items()}
+    sim = Follow(decode_spec(live.spec).build(), decided)  # the policy the gateway built
+    Simulation(cluster, sim, replace(workload, requests=tuple(requests))).run()
+    same = gap = flying = below = pairs = 0
+    for rid, c in live_calls.items():
+        d, own = c.result, sim.own[rid]
+        same += (d.engine, d.hold) == (own.engine, own.hold)
+        mine = {e.id: e.in_flight for e in sim.views[rid].engines}
+        gap += sum(abs(e.in_flight - mine[e.id]) for e in c.args[1].engines)
+        below += sum(e.in_flight < mine[e.id] for e in c.args[1].engines)
+        pairs += len(c.args[1].engines)
+        flying += sum(mine.values())
+    n = len(live_calls)
+    return Followed(same / n, gap / n, flying / n, below / pairs)
+
+
 def shares(served: list[Served], engines: int = ENGINES) -> list[float]:
     counts = [0] * engines
     for s in served:
@@ -276,6 +359,13 @@ def share_gap(a: list[Served], b: list[Served], *, ordered: bool = False) -> flo
     if ordered:
         x, y = sorted(x), sorted(y)
     return max(abs(p - q) for p, q in zip(x, y, strict=True))
+
+
+def same_engine(a: list[Served], b: list[Served]) -> float:
+    """The share of requests served by the same engine in two runs of the same arrivals
+    (requests matched by their index: runs' tags differ)."""
+    where = {s.rid.rsplit("-", 1)[1]: s.engine for s in b}
+    return sum(s.engine == where[s.rid.rsplit("-", 1)[1]] for s in a) / len(a)
 
 
 def max_in_flight(calls: list[Call]) -> int:
@@ -317,6 +407,14 @@ def _measure(policies: list[str], repeats: int) -> None:
                         "shares_live": [[round(v, 2) for v in shares(x.served)] for x in live],
                         "shares_sim": [round(x, 2) for x in shares(sim)],
                         "in_flight": [max_in_flight(x.calls) for x in live],
+                        "same_engine_sim": [round(same_engine(x.served, sim), 3) for x in live],
+                        "follow": [
+                            [
+                                round(v, 3)
+                                for v in astuple(follow(sim_workload(cluster, p), x, cluster.urls))
+                            ]
+                            for p, x in zip(plans, live, strict=True)
+                        ],
                         "wall_s": [round(x.wall_s, 2) for x in live],
                     }
                     print(json.dumps(row), flush=True)

@@ -2,10 +2,12 @@
 
 One small chat trace with shared prefixes goes through the simulator and through
 ``kvgate serve`` + three ``kvgate emulate`` processes, one request at a time (nothing
-in flight, so no timing enters). Every registered policy (``policy_names()``) must send
-every request to the same engine in both; the simulated engines carry the live
-engines' ids and both sides price with the same engine preset. Under load, where
-timing does enter, see test_parity_under_load.py.
+in flight, so no timing enters: the simulated arrivals are the live send times, and the
+gateway scrapes the engines once, idle, at start, so no scrape lands inside a request
+and shows a running request to the next few decisions). Every registered policy
+(``policy_names()``) must send every request to the same engine in both; the simulated
+engines carry the live engines' ids and both sides price with the same engine preset.
+Under load, where timing does enter, see test_parity_under_load.py.
 """
 
 from __future__ import annotations
@@ -60,7 +62,9 @@ emulators run 100x faster than modelled), and time-windowed policy state (Preble
 window, TTLs) sees the same clock on both sides."""
 
 
-def simulated(policy: str, bodies: list[dict[str, object]], urls: list[str]) -> list[int]:
+def simulated(
+    policy: str, bodies: list[dict[str, object]], urls: list[str], sent: list[float]
+) -> list[int]:
     keyer = RoutingKeyer(block_size=16, chars_per_token=4.0)
     reqs = []
     for i, body in enumerate(bodies):
@@ -68,7 +72,7 @@ def simulated(policy: str, bodies: list[dict[str, object]], urls: list[str]) -> 
         reqs.append(
             WorkloadRequest(
                 id=f"r{i}",
-                arrival=GAP_S * i,
+                arrival=sent[i],
                 prompt_tokens=tokens,
                 output_tokens=4,
                 block_hashes=hashes,
@@ -98,17 +102,19 @@ def test_simulator_and_gateway_make_the_same_decisions(
     bodies = trace()
     urls = [e.url for e in engines]
     monkeypatch.setenv("KVGATE_PRESET", PRESET)  # the engines' model, for policies that price
+    monkeypatch.setenv("KVGATE_HEALTH__INTERVAL_S", "600")  # one scrape, before any request
     gateway = start_gateway(tmp_path, urls, policy=policy)
     try:
-        live = []
+        live, sent = [], []
         with httpx.Client(timeout=30) as client:
             start = time.monotonic()
             for i, body in enumerate(bodies):
                 time.sleep(max(0.0, start + GAP_S * i - time.monotonic()))
+                sent.append(time.monotonic() - start)  # late under load: the sim sees it late too
                 r = client.post(gateway.url + "/v1/chat/completions", json=body)
                 assert r.status_code == 200, r.text
                 live.append(urls.index(r.headers["x-kvgate-engine"]))
     finally:
         gateway.stop()
-    expected = simulated(policy, bodies, urls)
+    expected = simulated(policy, bodies, urls, sent)
     assert live == expected

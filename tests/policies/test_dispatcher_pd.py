@@ -171,7 +171,7 @@ def test_a_both_engine_chosen_for_decode_is_not_its_own_prefill_engine() -> None
     assert (decision.engine, decision.prefill_engine) == ("b0", "p0")
 
 
-@pytest.mark.parametrize("name", ["round_robin", "least_loaded"])
+@pytest.mark.parametrize("name", ["round_robin", "least_loaded", "predicted_ttft"])
 def test_both_pools_rotate_in_pair_mode(name: str) -> None:
     """Two pools of two: each request's prefill and decode engine both alternate."""
     d = Dispatcher(create_policy(name, PolicyContext(seed=1)), perf=PERF)
@@ -193,3 +193,62 @@ def test_unified_pools_carry_no_pd_reason() -> None:
     d = Dispatcher(create_policy("round_robin"), perf=PERF)
     assert d.route(req(3000), view, 0.0).pd_reason == ""
     assert d.pd_reasons == {}
+
+
+# -- decode balance (remote legs without reuse) -------------------------------------------
+
+
+def busy_view(*, d0_in_flight: int = 0, d1_in_flight: int = 0, **d1: object) -> ClusterView:
+    return ClusterView(
+        (
+            engine("p0", P),
+            engine("p1", P),
+            engine("d0", D, in_flight=d0_in_flight),
+            engine("d1", D, in_flight=d1_in_flight, **d1),
+        )
+    )
+
+
+def test_sequential_cold_prompts_alternate_decode_engines_whatever_the_policy_picks() -> None:
+    """The policy always names d0; with every engine idle (nothing in flight by the
+    router's count) the decode legs go to the least recently used decode engine."""
+    d = Dispatcher(Affine(), perf=PERF)
+    legs = [d.route(req(3000, f"r{i}", float(i)), pd_view(), float(i)).engine for i in range(4)]
+    assert legs == ["d0", "d1", "d0", "d1"]
+
+
+def test_a_busy_pick_moves_to_an_idle_decode_engine_and_the_policy_sees_the_move() -> None:
+    policy = Affine()
+    d = Dispatcher(policy, perf=PERF)
+    decision = d.route(req(3000), busy_view(d0_in_flight=1), 0.0)
+    assert (decision.engine, decision.prefill_engine) == ("d1", "p0")
+    assert decision.pd_reason == "remote_long" and decision.reason.endswith(":idle_decode")
+    assert policy.routed == ["p0", "d1"] and d.in_flight == {"p0": 1, "d1": 1}
+    # held requests or pending prefill (the router's own counts) make an engine busy too
+    for busy in ({"router_queued": 1}, {"pending": 10}):
+        assert (
+            Dispatcher(Affine(), perf=PERF)
+            .route(req(3000), busy_view(d0_in_flight=1, **busy), 0.0)
+            .engine
+            == "d0"
+        )  # no idle engine: the policy's pick stands
+    assert (
+        Dispatcher(Affine(), perf=PERF)
+        .route(req(3000), busy_view(d0_in_flight=2, d1_in_flight=1), 0.0)
+        .engine
+        == "d0"
+    )
+
+
+def test_reuse_on_the_decode_engine_keeps_the_leg_there() -> None:
+    """6,000 tokens, 2,000 cached on d0 (a third): remote (4,000 uncached), but d0's cache
+    pays, so the leg stays on the busy d0; 1,500 cached (a quarter) does not."""
+    kept = Dispatcher(Affine(hit=2000), perf=PERF).route(req(6000), busy_view(d0_in_flight=1), 0)
+    assert (kept.engine, kept.pd_reason) == ("d0", "remote_long")
+    moved = Dispatcher(Affine(hit=1500), perf=PERF).route(req(6000), busy_view(d0_in_flight=1), 0)
+    assert (moved.engine, moved.pd_reason) == ("d1", "remote_long")
+
+
+def test_local_legs_are_not_moved() -> None:
+    decision = Dispatcher(Affine(hit=700), perf=PERF).route(req(1000), busy_view(d0_in_flight=1), 0)
+    assert (decision.engine, decision.pd_reason) == ("d0", "local_cached")

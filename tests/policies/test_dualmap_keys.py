@@ -150,7 +150,8 @@ def test_a_first_seen_key_balances_at_a_quarter_of_the_slo() -> None:
     """The preferred candidate (lower KV usage; the paper's tie-break) is 2 s behind, the other
     idle: a first-seen key moves (2 s > 0.25 x 5 s); a key seen in the window keeps affinity
     (2 s < 5 s)."""
-    policy, d = make(queueing=False, rebalance=False, tie_by_estimate=False)
+    two = {"queueing": False, "rebalance": False, "tie_by_estimate": False, "fresh_spread": False}
+    policy, d = make(**two)
     r = prompt((next(_segs), 1024))
     a, b = policy.candidates(policy.key(r)[0], view())
     stats = {a.id: {"pending_prefill_tokens": 2048, "kv_usage": 0.1}, b.id: {"kv_usage": 0.5}}
@@ -162,9 +163,7 @@ def test_a_first_seen_key_balances_at_a_quarter_of_the_slo() -> None:
     # same key, now in the window; no cached blocks on either (forget b's copy)
     policy.cache.remove_engine(b.id)
     assert d.route(seen, view(**stats), 1.0).engine == a.id
-    paper_policy, paper = make(
-        queueing=False, rebalance=False, fresh_headroom=1.0, tie_by_estimate=False
-    )
+    paper_policy, paper = make(**two, fresh_headroom=1.0)
     fresh = prompt((next(_segs), 1024))
     pa, pb = paper_policy.candidates(paper_policy.key(fresh)[0], view())
     stats = {pa.id: {"pending_prefill_tokens": 2048, "kv_usage": 0.1}, pb.id: {"kv_usage": 0.5}}
@@ -178,7 +177,9 @@ def test_equal_hits_go_to_the_lower_estimate_before_kv_usage(
     """Nothing cached on either candidate; the one with lower (scraped, maybe stale) KV usage
     has 64 tokens of prefill queued by this router (1/16 s; both stay below the fresh-key
     breach): the queue decides, unless the paper's tie-break (KV usage) is asked for."""
-    policy, d = make(queueing=False, rebalance=False, tie_by_estimate=tie_by_estimate)
+    policy, d = make(
+        queueing=False, rebalance=False, tie_by_estimate=tie_by_estimate, fresh_spread=False
+    )
     r = prompt((next(_segs), 1024))
     a, b = policy.candidates(policy.key(r)[0], view())
     stats = {a.id: {"pending_prefill_tokens": 64, "kv_usage": 0.1}, b.id: {"kv_usage": 0.5}}
@@ -227,3 +228,33 @@ def test_a_candidate_whose_decodes_would_miss_tpot_breaches() -> None:
         stats = {holder: {"num_running": 40, "kv_usage": 0.5, "kv_capacity_blocks": 14_000}}
         again = d.route(prompt((seg, 1024)), view(**stats), 1.0)  # the same prompt again
         assert (again.engine == holder) is stays, (aware, again.reason)
+
+
+def test_a_prompt_with_nothing_cached_anywhere_goes_to_the_lowest_estimate_anywhere() -> None:
+    """Unique prompts (``fresh_spread``): both ring candidates 0.25 s behind (0.75 s with
+    the prompt: under the fresh-key breach at 1.25 s), six engines idle: a prompt no engine
+    holds a block of goes to an idle engine; with two candidates only it stays on one of
+    them (power of two choices, which trails least loaded on unique prompts). A prompt
+    sharing a cached block keeps its two candidates, and on an idle cluster the spread
+    follows the ring."""
+    opts = {"queueing": False, "rebalance": False, "tpot_aware": False}
+    policy, d = make(**opts)
+    r = prompt((next(_segs), 512))
+    a, b = policy.candidates(policy.key(r)[0], view())
+    busy = {a.id: {"pending_prefill_tokens": 256}, b.id: {"pending_prefill_tokens": 256}}
+    decision = d.route(r, view(**busy), 0.0)
+    assert decision.reason == "dualmap:spread" and decision.engine not in (a.id, b.id)
+    assert decision.candidates == (a.id, b.id)
+    _, two = make(**opts, fresh_spread=False)
+    assert two.route(r, view(**busy), 0.0).engine in (a.id, b.id)
+    # a cached first block (16 tokens of a system prompt, say): the paper's two candidates
+    head = next(_segs)
+    first = prompt((head, 16), (next(_segs), 496))
+    d.finished(first, d.route(first, view(), 1.0).engine, 1.0, True)
+    shared = prompt((head, 16), (next(_segs), 496))
+    sa, sb = policy.candidates(policy.key(shared)[0], view())
+    busy = {sa.id: {"pending_prefill_tokens": 256}, sb.id: {"pending_prefill_tokens": 256}}
+    assert d.route(shared, view(**busy), 2.0).engine in (sa.id, sb.id)
+    # nothing loaded anywhere: the ring's first candidate, as the paper's rings place it
+    idle = prompt((next(_segs), 1024))
+    assert d.route(idle, view(), 3.0).engine == policy.candidates(policy.key(idle)[0], view())[0].id

@@ -235,3 +235,18 @@ def test_an_engine_removed_is_forgotten() -> None:
 def test_bad_options_are_refused(bad: dict[str, object]) -> None:
     with pytest.raises(ConfigError, match="predicted_ttft"):
         create_policy("predicted_ttft", PolicyContext(seed=1, perf=PERF), bad)
+
+
+def test_a_long_prompt_is_not_priced_behind_a_deep_queue_by_a_stream_of_short_ones() -> None:
+    """Aging: a stream of short requests gave e0 most of the recent traffic, so the share
+    penalty (10 cold prefills of the prompt per excess share) prices it far above e1, which
+    has 80,000 tokens queued (~8.7 s). A 60,000-token prompt (~6.5 s cold, no engine meets
+    its 5 s target) still goes to e0: its wait may exceed the least-wait engine's by at most
+    its own cold prefill (``wait_bound=1``). Without the bound it waits behind e1's queue."""
+    long = req("long", tuple(range(5000, 5000 + 3750)))  # 60,000 tokens
+    for bound, expected in ((1.0, "e0"), (0.0, "e1")):
+        _, d = make(wait_bound=bound)
+        for i in range(100):
+            warm(d, req(f"s{i}", (9000 + i,)), "e0", 2, now=float(i))
+        v = view(ev(0), ev(1, pending_prefill_tokens=80_000))
+        assert d.route(long, v, 100.0).engine == expected, bound

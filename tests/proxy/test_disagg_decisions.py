@@ -88,7 +88,10 @@ async def test_a_busy_prefill_pool_sends_the_next_request_to_local_prefill() -> 
             return (await gw.post("/v1/completions", json=body)).status_code
 
         first = [asyncio.create_task(send(i)) for i in range(2)]
-        await asyncio.sleep(0.1)  # both prefill legs are running
+        async with asyncio.timeout(10):  # both were routed: their prefill legs are running
+            while await decisions(gw, "remote_uncached") < 2:
+                await asyncio.sleep(0.005)
+        assert not p0.seen and not p1.seen  # (the legs take 0.5 s: still in flight)
         assert await send(2) == 200
         assert await asyncio.gather(*first) == [200, 200]
         assert await decisions(gw, "local_saturated") == 1

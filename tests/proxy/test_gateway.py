@@ -146,9 +146,9 @@ async def test_all_engines_failing_gives_503_with_retry_after() -> None:
         r = await gw.post("/v1/completions", json={"model": "m", "prompt": "x"})
     assert r.status_code == 503
     assert r.headers["retry-after"] == "1"
-    # three attempts (the configured maximum): both engines, then the first again
+    # three attempts (the configured maximum): both engines, then one of them again
     assert "after 3 attempt" in r.json()["error"]["message"]
-    assert (len(a.seen), len(b.seen)) == (2, 1)
+    assert sorted((len(a.seen), len(b.seen))) == [1, 2]
 
 
 async def test_no_engine_up_is_503_and_not_ready() -> None:
@@ -259,21 +259,39 @@ async def test_shared_prefix_follows_the_engine_that_has_it() -> None:
 
 
 async def test_metrics_endpoint_exports_kvgate_series() -> None:
+    """The series move with the requests: counts by the number served, routed prompt tokens
+    by each request's tokens, expected hits once a prompt repeats."""
     async with gateway(FakeEngine(A)) as gw:
         await gw.post("/v1/completions", json={"model": "m", "prompt": "x" * 300})
-        text = (await gw.get("/metrics")).text
+        before = (await gw.get("/metrics")).text
+        long = {"model": "m", "prompt": "x" * 600}  # twice the first prompt, asked twice
+        for _ in range(2):
+            assert (await gw.post("/v1/completions", json=long)).status_code == 200
+        after = (await gw.get("/metrics")).text
+
+    def moved(name: str, **labels: str) -> float:
+        return sample_sum(after, name, **labels) - sample_sum(before, name, **labels)
+
+    one_prompt = sample_sum(before, "kvgate_routed_prompt_tokens_total")
+    assert one_prompt > 0
+    assert moved("kvgate_routed_prompt_tokens_total") == pytest.approx(4 * one_prompt, rel=0.05)
+    assert moved("kvgate_requests_total", outcome="ok", route="completions") == 2
+    assert sample_sum(before, "kvgate_requests_total", outcome="ok") == 1
     for name in (
-        "kvgate_requests_total",
-        "kvgate_routing_decision_seconds_bucket",
-        "kvgate_time_to_first_token_seconds_bucket",
-        "kvgate_engine_healthy",
-        "kvgate_engine_in_flight",
-        "kvgate_engine_waiting_requests",
-        "kvgate_routed_prompt_tokens_total",
-        "kvgate_routed_expected_hit_tokens_total",
+        "kvgate_routing_decision_seconds_count",
+        "kvgate_time_to_first_token_seconds_count",
+        "kvgate_e2e_request_latency_seconds_count",
+        "kvgate_routing_decisions_total",
     ):
-        assert name in text, name
-    assert 'outcome="ok"' in text
+        assert moved(name) == 2, name
+    assert moved("kvgate_routing_decision_seconds_bucket", le="+Inf") == 2
+    assert moved("kvgate_time_to_first_token_seconds_sum") > 0
+    assert sample_sum(before, "kvgate_routed_expected_hit_tokens_total") == 0  # cold
+    # the long prompt's second time: at least the short prompt's part was expected cached
+    assert moved("kvgate_routed_expected_hit_tokens_total") >= 0.5 * one_prompt
+    assert sample_sum(after, "kvgate_engine_healthy", engine=A) == 1
+    assert sample_sum(after, "kvgate_engine_in_flight", engine=A) == 0  # all finished
+    assert "kvgate_engine_waiting_requests" in after
 
 
 @pytest.mark.parametrize(("configured", "expected"), [(None, 32), (16, 16)])

@@ -8,7 +8,7 @@ import pytest
 
 from gateway.cluster.registry import EngineRegistry
 from gateway.proxy.errors import ApiError
-from gateway.proxy.routes_openai import resolve_model
+from gateway.proxy.intake import resolve_model
 
 
 def state_with(registry: EngineRegistry) -> object:

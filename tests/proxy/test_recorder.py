@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from gateway.config import load_settings
 from gateway.core.types import RequestInfo, SloClass
 from gateway.proxy.app import create_app
-from gateway.proxy.forwarder import Exchange
+from gateway.proxy.exchange import Exchange
 from gateway.proxy.recorder import Entry, Recorder, RotatingFile, Salter, format_entry, make_entry
 from gateway.proxy.routing_key import RoutingKeyer
 from gateway.sim.workloads import WorkloadOptions, load_workload
@@ -139,6 +139,21 @@ def test_entry_reads_usage_from_json_and_sse_tails() -> None:
     assert bare.hashes == exchange().info.block_hashes and bare.estimate == 60
 
 
+def test_entry_reads_responses_and_messages_usage() -> None:
+    """Responses and Messages report ``input_tokens``/``output_tokens``; Messages leaves the
+    cache reads out of ``input_tokens``, so they are added back."""
+    responses = b'{"usage":{"input_tokens":30,"input_tokens_details":{"cached_tokens":16},'
+    responses += b'"output_tokens":4,"output_tokens_details":{"reasoning_tokens":0}}}'
+    e = make_entry(exchange(), ok=True, outcome="ok", output=4, usage=responses)
+    assert (e.prompt, e.output_usage) == (30, True)
+    ex = exchange()
+    ex.route = "messages"
+    tail = b'event: message_delta\ndata: {"usage":{"input_tokens":14,'
+    tail += b'"cache_read_input_tokens":16,"output_tokens":6}}\n\n'
+    m = make_entry(ex, ok=True, outcome="ok", output=6, usage=tail)
+    assert (m.prompt, m.output_usage) == (30, True)
+
+
 # -- salting -----------------------------------------------------------------------------------
 
 
@@ -212,23 +227,29 @@ def test_a_full_queue_drops_and_counts_without_blocking(tmp_path: Path) -> None:
 
 def test_a_stuck_writer_never_blocks_the_request_path(tmp_path: Path) -> None:
     release = threading.Event()
+    entered = threading.Event()
     rec = Recorder(tmp_path / "r.jsonl", queue_size=10)
 
     def stuck(h: int) -> int:
+        entered.set()
         release.wait(10)
         return h
 
     rec._salter = stuck  # type: ignore[assignment]
     rec.start()
+    # One record first, and wait until the writer is stuck formatting it: the
+    # writer then holds exactly that one and the queue (10) is all that is left.
+    rec.record(exchange(), ok=True, outcome="ok", output=1)
+    assert entered.wait(5)
     t0 = time.perf_counter()
     for _ in range(200):
         rec.record(exchange(), ok=True, outcome="ok", output=1)
     assert time.perf_counter() - t0 < 0.5
-    assert rec.dropped >= 200 - 10 - 1
+    assert rec.dropped == 200 - 10
     release.set()
     rec.close()
     lines = (tmp_path / "r.jsonl").read_text().splitlines()
-    assert len(lines) == rec.written == 200 - rec.dropped
+    assert len(lines) == rec.written == 201 - rec.dropped
 
 
 def test_close_flushes_everything_and_later_records_are_ignored(tmp_path: Path) -> None:
@@ -301,7 +322,7 @@ async def test_gateway_records_served_refused_and_failed_requests(tmp_path: Path
     assert [r["input_source"] for r in rows] == ["usage", "usage", "estimate", "estimate"]
     assert [r["output_length"] for r in rows] == [3, 3, 9, 1]
     assert all(r["engine"] == "http://a:1" for r in rows[:2]) and rows[2]["engine"] == bad.url
-    assert all(set(r) == FIELDS for r in rows)
+    assert all(set(r) == FIELDS | {"tenant"} for r in rows)  # flow control's (anonymous)
     assert "accounting" not in path.read_text()
     wl = load_workload(f"recorded:{path}", WorkloadOptions(block_size=16))
     assert len(wl) == 4 and wl.requests[0].arrival == 0.0

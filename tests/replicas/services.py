@@ -110,6 +110,7 @@ listen stats
     bind 127.0.0.1:{stats}
     stats enable
     stats uri /stats
+    stats admin if TRUE
 """
 
 
@@ -179,6 +180,17 @@ def haproxy_stats(svc: Service) -> dict[str, dict[str, str]]:
 def haproxy_up(svc: Service) -> dict[str, str]:
     """Server name -> status (UP/DOWN/...)."""
     return {name: row["status"] for name, row in haproxy_stats(svc).items()}
+
+
+def haproxy_checks(svc: Service, server: str, *, enabled: bool) -> None:
+    """Turn HAProxy's health checks of ``server`` off (it keeps its last state, UP or DOWN,
+    whatever happens to it) or back on, through the stats page's admin form."""
+    r = httpx.post(
+        f"http://127.0.0.1:{svc.stats_port}/stats",  # type: ignore[attr-defined]
+        data={"s": server, "action": "ehlth" if enabled else "dhlth", "b": "replicas"},
+        timeout=5,
+    )
+    assert r.status_code == 303 and "st=DONE" in r.headers["location"], (r, r.headers)
 
 
 def haproxy_server_counters(svc: Service, server: str) -> dict[str, int]:

@@ -15,14 +15,14 @@ import subprocess
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
 from openai import APIConnectionError, APIError, AsyncOpenAI
 
 from tests.replicas.conftest import MODEL, REPLICAS, Tier
-from tests.replicas.services import haproxy_server_counters
+from tests.replicas.services import haproxy_checks, haproxy_server_counters
 
 pytestmark = pytest.mark.replicas
 
@@ -31,6 +31,9 @@ QUESTIONS = 3
 STAGGER_S = 0.015
 """Requests of a wave start this far apart (~67 requests/s). A wave sent all at once makes
 replicas decide within the same millisecond, blind to each other (docs/deployment.md)."""
+SEQUENTIAL_S = 0.2
+"""Requests of a wave this far apart: each is answered (tens of ms) before the next starts,
+so no engine has a request in flight when a new document comes."""
 WORDS = [
     "route",
     "cache",
@@ -118,12 +121,23 @@ def measure(tier: Tier, url: str, stagger_s: float = STAGGER_S) -> Run:
     return Run(hits / queries, max(per_engine.values()) / len(answers), answers)
 
 
-RUNS: dict[str, Run] = {}
+@dataclass
+class Runs:
+    one: Run
+    """One replica alone (its peers idle)."""
+    three: Run
+    """Round robin over three replicas."""
 
 
-def test_three_replicas_reuse_the_cache_as_one_does(tier: Tier) -> None:
-    one = RUNS["one"] = measure(tier, tier.replicas[0].url)  # one replica alone (peers idle)
-    three = RUNS["three"] = measure(tier, tier.url)  # round robin over three
+@pytest.fixture(scope="module")
+def runs(tier: Tier) -> Runs:
+    """The same workload through one replica and through three, measured once per module
+    for whichever test asks first (each test runs alone too)."""
+    return Runs(measure(tier, tier.replicas[0].url), measure(tier, tier.url))
+
+
+def test_three_replicas_reuse_the_cache_as_one_does(runs: Runs) -> None:
+    one, three = runs.one, runs.three
     replicas = Counter(a.replica for a in three.answers)
     assert len(replicas) == REPLICAS, replicas  # HAProxy did spread them
     split = [
@@ -139,19 +153,36 @@ def test_three_replicas_reuse_the_cache_as_one_does(tier: Tier) -> None:
     assert three.hit_rate >= 0.95 * one.hit_rate
 
 
-@pytest.mark.xfail(
-    reason="target met in 5 of 6 runs, missed in 1 (docs/deployment.md#what-a-second-replica-"
-    "costs): the 8 first questions of a wave are routed within ~0.1 s, while a replica learns "
-    "another's placement from KV events only after the engine prefilled it and its load from "
-    "the NATS sync a round later, so two documents can still land on one engine",
-    strict=False,
-)
-def test_three_replicas_balance_as_one_does(tier: Tier) -> None:
+def test_three_replicas_balance_as_one_does(tier: Tier, runs: Runs) -> None:
     """The replicas price engines alike with the default policy (predicted_ttft): prefix index
     and prefill duty cycle from the engines' KV events, load from the views and the NATS sync.
-    (cache_aware, the default before, ranks engines by prefix-tree size before load.)"""
-    one, three = RUNS["one"], RUNS["three"]
-    assert three.busiest_share <= 1.1 * one.busiest_share, (one.busiest_share, three.busiest_share)
+
+    Sequential new documents (``SEQUENTIAL_S`` apart: every engine idle when one comes) are
+    spread by the prefill work each engine just did, through one replica and through three:
+    measured busiest share 0.250 / 0.250 / 0.375 through one and 0.375 / 0.500 / 0.375
+    through three (three runs, load average 30-35, code 73e6e69); ``cache_aware``, whose
+    load is only the requests in flight (none here), puts them on its first engine: 0.750 /
+    1.000 through one, 0.875 / 1.000 through three. Bounds: one document (``QUESTIONS``
+    requests) above the worst measured.
+
+    A strict expectation with its measured bound: the 8 first questions of a wave are routed
+    within ~0.1 s, before a placement's KV events reach the other replicas, so one document
+    more can land on one engine than through one replica (busiest share 0.375 against 0.250
+    in every run at load average ~27, the 1.1x target met in 5 of 6 earlier runs at lower
+    load; docs/deployment.md#what-a-second-replica-costs). More than that one document fails."""
+    one, three = runs.one, runs.three
+    assert len(one.answers) == len(three.answers) == DOCS * QUESTIONS
+    one_document = QUESTIONS / len(three.answers)
+    print(f"\nbalance: busiest share one {one.busiest_share:.3f}, three {three.busiest_share:.3f}")
+    assert three.busiest_share <= one.busiest_share + one_document + 1e-9, (
+        one.busiest_share,
+        three.busiest_share,
+    )
+    alone = measure(tier, tier.replicas[0].url, SEQUENTIAL_S)
+    spread = measure(tier, tier.url, SEQUENTIAL_S)
+    print(f"sequential: busiest one {alone.busiest_share:.3f}, three {spread.busiest_share:.3f}")
+    assert alone.busiest_share <= 0.375 + one_document + 1e-9, alone.busiest_share
+    assert spread.busiest_share <= 0.5 + one_document + 1e-9, spread.busiest_share
 
 
 async def stream(oa: AsyncOpenAI, n: int, tokens: int, started: asyncio.Event) -> tuple[str, str]:
@@ -187,6 +218,8 @@ class Disruption:
     ``until_dead``)."""
     dead_after_s: float | None = None
     """SIGKILL to the victim reaped (its sockets closed), with ``until_dead``."""
+    ended_before: list[bool] = field(default_factory=list)
+    """Per stream: it had ended before the signal was sent (the signal could not touch it)."""
 
 
 async def streams_through(
@@ -207,6 +240,7 @@ async def streams_through(
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
     t0 = time.monotonic()
     tier.signal(victim, sig)
+    ended_before = [t.done() for t in tasks]  # the loop ran none of them since the signal
     dead_after_s = None
     if until_dead:
         # Until the kernel has torn the process down (milliseconds), its listening socket
@@ -215,6 +249,7 @@ async def streams_through(
         # request was held by the victim; the requests below are sent once it is gone.
         await asyncio.to_thread(tier.replicas[victim].popen.wait, 10)
         dead_after_s = time.monotonic() - t0
+
     during: list[str] = []
     for d in range(6):  # new requests while the replica drains or is gone
         try:
@@ -224,7 +259,7 @@ async def streams_through(
             during.append(f"{type(exc).__name__}:{getattr(exc, 'status_code', '')}:{exc}")
     results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
     await oa.close()
-    return Disruption(results, during, dead_after_s)
+    return Disruption(results, during, dead_after_s, ended_before)
 
 
 def test_a_sigtermed_replica_drains_its_streams(tier: Tier) -> None:
@@ -257,10 +292,22 @@ def test_a_sigkilled_replica_loses_only_its_streams_and_a_restart_rebuilds_state
 
     placed = {a.doc: a.engine for a in asyncio.run(place())}
     before = haproxy_server_counters(tier.haproxy, f"r{victim}")
-    run = asyncio.run(streams_through(tier, victim, signal.SIGKILL, until_dead=True))
+    # HAProxy's checks of the victim are off until the new requests are answered: it stays UP
+    # for them (its checks would find it DOWN within ~0.4 s, before or after the first of
+    # them, depending on the machine's load), so round robin sends some to the dead replica
+    haproxy_checks(tier.haproxy, f"r{victim}", enabled=False)
+    try:
+        run = asyncio.run(streams_through(tier, victim, signal.SIGKILL, until_dead=True))
+    finally:
+        haproxy_checks(tier.haproxy, f"r{victim}", enabled=True)
     after = haproxy_server_counters(tier.haproxy, f"r{victim}")
     results, during = run.streams, run.during
-    lost = [o for r, o in results if r == f"r{victim}"]
+    # A stream the victim finished before the signal (all had started; on a loaded machine the
+    # first can be done before the last starts) is not one it could lose.
+    lost = [
+        o for (r, o), ended in zip(results, run.ended_before, strict=True)
+        if r == f"r{victim}" and not ended
+    ]  # fmt: skip
     kept = [o for r, o in results if r != f"r{victim}"]
     moved = {k: after[k] - before[k] for k in ("econ", "wretr", "wredis")}
     print(
@@ -271,8 +318,8 @@ def test_a_sigkilled_replica_loses_only_its_streams_and_a_restart_rebuilds_state
     assert lost and all(o != "ok" for o in lost), results  # clean client-side errors
     assert kept and all(o == "ok" for o in kept), results
     assert all(o == "ok" for o in during), during
-    # ... and some of them were sent to the dead replica first (it was still UP in HAProxy's
-    # checks) and retried on another one: the retry is what this checks, not luck
+    # ... and some of them were sent to the dead replica first (UP for HAProxy) and retried
+    # on another one: the retry is what this checks
     assert moved["wredis"] >= 1, moved
     assert tier.replicas[victim].popen.wait(timeout=5) == -signal.SIGKILL
 

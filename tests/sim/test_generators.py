@@ -19,8 +19,19 @@ from gateway.sim import generators
 from gateway.sim.generators import GENERATORS, MAX_TOKENS
 from gateway.sim.workloads import WorkloadOptions, WorkloadRequest, load_workload
 
-NAMES = ["tool_use", "long_doc_qa", "multi_turn", "zipf_hotspot", "no_sharing", "chat", "agent"]
-SESSIONS = {"multi_turn", "chat", "agent"}
+NAMES = [
+    "tool_use",
+    "long_doc_qa",
+    "multi_turn",
+    "zipf_hotspot",
+    "no_sharing",
+    "chat",
+    "agent",
+    "lora",
+    "chat_burst",
+    "conversation",
+]
+SESSIONS = {"multi_turn", "chat", "agent", "chat_burst", "conversation"}
 OPTIONS = WorkloadOptions()
 
 Pieces = list[tuple[int, int]]

@@ -49,3 +49,28 @@ def test_a_burst_past_the_pool_s_wait_threshold_prefills_the_rest_locally(policy
     patient = ClusterSpec(4, PERF, prefill_instances=2, pd=PDSettings(saturation_wait_s=60))
     relaxed = run_policy(policy, cold(40, gap=0.0), patient)
     assert {r.pd_reason for r in relaxed.records} == {"remote_long"}
+
+
+PAIR_MODE = ("cache_aware", "dualmap", "least_loaded", "power_of_two", "round_robin")
+
+
+@pytest.mark.parametrize(
+    "policy",
+    sorted({PolicyConfig().name, "cost_model", "weighted_scorer", "length_heuristic", *PAIR_MODE}),
+)
+def test_sequential_cold_prompts_use_both_decode_engines(policy: str) -> None:
+    """Issue 21's sequence: eight cold ~3,000-token prompts one after another (each done
+    before the next) on 2 prefill + 2 decode engines: no reuse pays on a decode engine,
+    so the decode legs split 4/4 (3/5 at worst), and so do the prefill legs."""
+    run = run_policy(policy, cold(8, gap=10.0), ClusterSpec(4, PERF, prefill_instances=2))
+    decode = Counter(r.engine for r in run.records)
+    prefill = Counter(r.prefill_engine for r in run.records)
+    assert set(decode) == {"sim-2", "sim-3"} and min(decode.values()) >= 3, decode
+    if policy in {
+        PolicyConfig().name,
+        "cost_model",
+        "least_loaded",
+        "round_robin",
+        "length_heuristic",
+    }:
+        assert set(prefill) == {"sim-0", "sim-1"} and min(prefill.values()) >= 3, prefill

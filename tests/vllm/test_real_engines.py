@@ -12,7 +12,7 @@ import httpx
 import msgspec
 import pytest
 import zmq
-from conftest import BLOCK, MODEL, Fleet, Gateway, start_gateway
+from conftest import ADAPTERS, BLOCK, MODEL, Fleet, Gateway, start_gateway
 from openai import OpenAI
 
 from gateway.core.vllm_hash import block_ids
@@ -92,7 +92,7 @@ def test_the_scraper_reads_real_metrics_and_cache_config(gateway: Gateway) -> No
         m = e["metrics"]
         assert m is not None and m["block_size"] == BLOCK
         assert m["num_gpu_blocks"] and m["num_gpu_blocks"] > 0
-        assert e["health"] == "healthy" and e["models"] == [MODEL]
+        assert e["health"] == "healthy" and e["models"] == [MODEL, *ADAPTERS]
     # While a long request runs on an engine, the gateway's scraped numbers show it (values,
     # not family names: prometheus_client prints every registered family).
     body = {
@@ -124,31 +124,46 @@ def test_token_keys_equal_the_engines_kv_event_ids_bit_for_bit(fleet: Fleet) -> 
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.connect(f"tcp://127.0.0.1:{engine.events_port}")
-    time.sleep(0.5)  # let the subscription reach the publisher
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    stored: list[int] = []
+
+    def receive(until: float) -> None:
+        """The BlockStored ids published until ``until`` (monotonic), in order."""
+        while time.monotonic() < until and poller.poll(100):
+            _, _, payload = sock.recv_multipart()
+            for event in msgspec.msgpack.decode(payload)[1]:
+                if event.get("type") == "BlockStored":
+                    stored.extend(event["block_hashes"])
+
+    def complete(prompt: str) -> None:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+        assert httpx.post(engine.url + "/v1/completions", json=body, timeout=60).is_success
+
+    # The subscription is up once a probe's blocks arrive (a SUB socket drops what is
+    # published before it joins): one unique 2-block probe per try until one does.
+    deadline = time.monotonic() + 60
+    while not stored:
+        assert time.monotonic() < deadline, "no KV event reached the subscriber in 60 s"
+        complete(f"probe {time.time()} " + "subscription probe " * 12)
+        receive(time.monotonic() + 1)
     prompt = f"unique prompt {time.time()} " + "tokens for hashing " * 40
     tokens = httpx.post(engine.url + "/tokenize", json={"model": MODEL, "prompt": prompt}).json()[
         "tokens"
     ]
-    httpx.post(
-        engine.url + "/v1/completions",
-        json={"model": MODEL, "prompt": prompt, "max_tokens": 1},
-        timeout=60,
-    )
-    stored: list[int] = []
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and len(stored) < len(tokens) // BLOCK:
-        if poller.poll(200):
-            _, _, payload = sock.recv_multipart()
-            for event in msgspec.msgpack.decode(payload)[1]:
-                if event.get("type") == "BlockStored":
-                    stored += event["block_hashes"]
+    mine = list(block_ids(tokens, BLOCK))
+    assert len(mine) == len(tokens) // BLOCK >= 8
+    complete(prompt)
+
+    def published() -> list[int]:  # the ids published from where the prompt's first one is
+        return stored[stored.index(mine[0]) :][: len(mine)] if mine[0] in stored else []
+
+    deadline = time.monotonic() + 30
+    while len(published()) < len(mine) and time.monotonic() < deadline:
+        receive(deadline)
     sock.close(linger=0)
     ctx.term()
-    mine = block_ids(tokens, BLOCK)
-    assert len(mine) == len(tokens) // BLOCK >= 8
-    assert list(mine) == stored[: len(mine)]
+    assert published() == mine
 
 
 def test_pd_through_nixl_is_proven_by_the_decode_engine(fleet: Fleet, tmp_path: Path) -> None:
@@ -205,21 +220,38 @@ def held_blocks(policy: object, engines: list[str]) -> dict[str, set[int]]:
     return held
 
 
-async def _drain(sock: Any, blocks: set[int]) -> int:
-    """Apply the engine's published events to ``blocks``; the number of blocks removed."""
-    removed = 0
-    while await sock.poll(10):
-        _, _, payload = await sock.recv_multipart()
-        for event in msgspec.msgpack.decode(payload)[1]:
-            kind = event.get("type")
-            if kind == "BlockStored":
-                blocks.update(event["block_hashes"])
-            elif kind == "BlockRemoved":
-                blocks.difference_update(event["block_hashes"])
-                removed += len(event["block_hashes"])
-            elif kind == "AllBlocksCleared":
-                blocks.clear()
-    return removed
+class Published:
+    """What an independent subscriber saw one engine publish: the blocks it holds, the blocks
+    it removed, the last batch's sequence number and the sequence number of each block's
+    store (and of the last AllBlocksCleared, key -1)."""
+
+    def __init__(self, sock: Any) -> None:
+        self.sock = sock
+        self.blocks: set[int] = set()
+        self.removed = 0
+        self.seq = -1
+        self.stored_at: dict[int, int] = {}
+
+    async def until(self, done: Any, timeout: float = 60, what: str = "") -> None:
+        """Apply published batches until ``done()`` holds (fails after ``timeout`` s)."""
+        deadline = time.monotonic() + timeout
+        while not done():
+            assert time.monotonic() < deadline, f"not published within {timeout:.0f} s: {what}"
+            if not await self.sock.poll(100):
+                continue
+            _, seq, payload = await self.sock.recv_multipart()
+            self.seq = int.from_bytes(seq, "big", signed=True)
+            for event in msgspec.msgpack.decode(payload)[1]:
+                kind = event.get("type")
+                if kind == "BlockStored":
+                    self.blocks.update(event["block_hashes"])
+                    self.stored_at.update(dict.fromkeys(event["block_hashes"], self.seq))
+                elif kind == "BlockRemoved":
+                    self.blocks.difference_update(event["block_hashes"])
+                    self.removed += len(event["block_hashes"])
+                elif kind == "AllBlocksCleared":
+                    self.blocks.clear()
+                    self.stored_at[-1] = self.seq
 
 
 @pytest.mark.parametrize(
@@ -260,30 +292,55 @@ def test_kv_events_make_the_prefix_state_exact(
     app = create_app(settings)
     tag = uuid.uuid4().hex  # fresh prompts: nothing of them is cached yet
 
-    async def reset(client: httpx.AsyncClient) -> None:
+    async def reset(client: httpx.AsyncClient, seen: Published, timeout: float = 60) -> None:
+        """Clear the engine's cache; returns once ``seen`` got the AllBlocksCleared."""
+        before = seen.stored_at.get(-1, -1)
         assert (await client.post("/reset_prefix_cache")).status_code == 200
         # a probe shorter than a block: the step vLLM publishes AllBlocksCleared with
         probe = {"model": MODEL, "prompt": "reset probe", "max_tokens": 2}
         assert (await client.post("/v1/completions", json=probe)).status_code == 200
+        cleared = lambda: seen.stored_at.get(-1, -1) > before  # noqa: E731
+        await seen.until(cleared, timeout, what="AllBlocksCleared")
+
+    def gateway_seq(state: Any) -> int:
+        """The last batch the gateway's subscriber took from the engine (-1 without events)."""
+        if state.kv_events is None:
+            return -1
+        return max((q for (e, _), q in state.kv_events._seq.items() if e == engine.url), default=-1)
+
+    async def synced(state: Any, seq: int) -> None:
+        """Wait until the gateway's subscriber took batch ``seq`` (at once without events)."""
+        deadline = time.monotonic() + 30
+        while kv_events and gateway_seq(state) < seq:
+            assert time.monotonic() < deadline, f"gateway at batch {gateway_seq(state)} < {seq}"
+            await asyncio.sleep(0.05)  # polling the condition above, not a fixed wait
 
     async def scenario() -> tuple[set[int], set[int], int, set[int], int, set[int]]:
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(f"tcp://127.0.0.1:{engine.events_port}")
-        live: set[int] = set()
+        seen = Published(sock)
+        live = seen.blocks
         async with httpx.AsyncClient(base_url=engine.url, timeout=60) as direct:
-            await asyncio.sleep(0.5)  # the subscription is up before anything happens
-            await reset(direct)  # earlier tests' blocks leave the engine
-            await asyncio.sleep(1.0)
-            await _drain(sock, live)
+            # earlier tests' blocks leave the engine; a SUB socket drops what is published
+            # before it joins, so reset until this subscriber sees the clear
+            for _ in range(30):
+                try:
+                    await reset(direct, seen, timeout=2)
+                    break
+                except AssertionError:
+                    continue
+            else:
+                pytest.fail("the subscriber never saw a cache reset")
+            removed_before = seen.removed
             async with app.router.lifespan_context(app):
-                state = app.state.gateway
-                await asyncio.sleep(0.5)
+                state = app.state.gateway  # started: engines checked, buffered events replayed
                 transport = httpx.ASGITransport(app=app)
                 async with httpx.AsyncClient(
                     transport=transport, base_url="http://gw", timeout=120
                 ) as gw:
+                    assert (await gw.get("/ready")).status_code == 200
                     for i in range(12):
                         body = {
                             "model": MODEL,
@@ -296,14 +353,21 @@ def test_kv_events_make_the_prefix_state_exact(
                         }
                         r = await gw.post("/v1/chat/completions", json=body)
                         assert r.status_code == 200, r.text
-                    await asyncio.sleep(1.5)  # let the last events arrive
-                removed = await _drain(sock, live)
+                # A marker after the requests: once this subscriber and the gateway's have
+                # its batch, they have every batch before it (published in order).
+                marker = f"{tag} marker " + SYSTEM
+                tokens = await direct.post("/tokenize", json={"model": MODEL, "prompt": marker})
+                last = block_ids(tokens.json()["tokens"], BLOCK)[-1]
+                body = {"model": MODEL, "prompt": marker, "max_tokens": 1}
+                assert (await direct.post("/v1/completions", json=body)).status_code == 200
+                await seen.until(lambda: last in seen.stored_at, what="the marker's blocks")
+                await synced(state, seen.stored_at[last])
+                removed = seen.removed - removed_before
                 live_before = set(live)
                 held = held_blocks(state.dispatcher.policy, [engine.url])[engine.url]
-                await reset(direct)
-                await asyncio.sleep(1.5)
+                await reset(direct, seen)
+                await synced(state, seen.stored_at[-1])
                 after_reset = held_blocks(state.dispatcher.policy, [engine.url])[engine.url]
-                await _drain(sock, live)
                 live_after = set(live)
                 batches = state.kv_events.batches if state.kv_events is not None else 0
         sock.close(linger=0)

@@ -1,0 +1,1 @@
+"""How close the simulator comes to real engines (vLLM CPU)."""

@@ -1,0 +1,1 @@
+"""kvgate in front of emulated engines, real processes: live routing quality and TTFT."""

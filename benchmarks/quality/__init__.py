@@ -1,0 +1,1 @@
+"""Routing quality in the simulator: which policy serves most, and why (no processes)."""

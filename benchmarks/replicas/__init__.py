@@ -1,0 +1,1 @@
+"""The replica tier: how stale the signals a replica routes on are."""

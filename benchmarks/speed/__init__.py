@@ -1,0 +1,1 @@
+"""How fast: decision time, gateway overhead, proxy throughput, radix tree, simulator."""
