@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +71,15 @@ class Engine:
                 self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Every process of the engine stopped (SIGSTOP) inside the block, resumed after."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.killpg(self.proc.pid, signal.SIGCONT)
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of a metric's samples (matching ``labels``) on the engine's /metrics."""
