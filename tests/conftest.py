@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.replicas.services import Service
 
 
 def write_mooncake_trace(
@@ -50,3 +55,13 @@ def write_mooncake_trace(
 @pytest.fixture
 def mooncake_trace(tmp_path: Path) -> Path:
     return write_mooncake_trace(tmp_path / "trace.jsonl")
+
+
+@pytest.fixture
+def nats(tmp_path: Path) -> Iterator[Service]:
+    """A real ``nats-server`` on a free port of 127.0.0.1, stopped after the test."""
+    from tests.replicas.services import start_nats  # only for the tests that ask for it
+
+    svc = start_nats(tmp_path)
+    yield svc
+    svc.stop()

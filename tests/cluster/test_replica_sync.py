@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -13,7 +11,7 @@ import pytest
 from gateway.cluster.registry import EngineRegistry
 from gateway.cluster.replica_sync import NatsReplicaSync, PeerLoad, _Message
 from gateway.core.errors import ConfigError
-from tests.replicas.services import Service, start_nats
+from tests.replicas.services import Service, start_nats, until
 
 E1, E2 = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
 
@@ -73,22 +71,6 @@ def test_bad_sync_settings_are_refused() -> None:
         load_settings(replica_sync={"nats_url": "http://nats:4222"})
     with pytest.raises(ConfigError, match="ttl_s"):
         load_settings(replica_sync={"nats_url": "nats://n:4222", "ttl_s": 1, "heartbeat_s": 1})
-
-
-@pytest.fixture
-def nats(tmp_path: Path) -> Iterator[Service]:
-    svc = start_nats(tmp_path)
-    yield svc
-    svc.stop()
-
-
-async def until(cond: object, timeout: float = 5.0) -> float:
-    """Seconds until ``cond()`` held (fails after ``timeout``)."""
-    start = time.monotonic()
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() - start < timeout, "condition not reached in time"
-        await asyncio.sleep(0.002)
-    return time.monotonic() - start
 
 
 async def test_replicas_see_each_others_load_over_nats(nats: Service) -> None:

@@ -3,13 +3,9 @@ bound on replica A routed by replica B over a real NATS server."""
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import msgspec
-import pytest
 
 from gateway.cluster.replica_sync import AFFINITY_VERSION, NatsReplicaSync, PeerLoad
 from gateway.core.types import ClusterView, EngineView, RequestInfo
@@ -18,7 +14,7 @@ from gateway.policies.affinity_table import AffinityTable
 from gateway.policies.base import PolicyContext
 from gateway.policies.registry import create_policy
 from gateway.policies.session_affinity import SessionAffinity
-from tests.replicas.services import Service, start_nats
+from tests.replicas.services import Service, until
 
 E1, E2, E3 = "http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"
 VIEW = ClusterView(tuple(EngineView(e) for e in (E1, E2, E3)))
@@ -72,20 +68,6 @@ def test_queued_bindings_are_coalesced_bounded_and_chunked() -> None:
     assert decoded[0][:2] == [AFFINITY_VERSION, "me"]
     assert decoded[0][2][0] == ["session", "s", E2, 60.0]
     assert sync._affinity_messages() == []  # sent once
-
-
-@pytest.fixture
-def nats(tmp_path: Path) -> Iterator[Service]:
-    svc = start_nats(tmp_path)
-    yield svc
-    svc.stop()
-
-
-async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    start = time.monotonic()
-    while not cond():
-        assert time.monotonic() - start < timeout, "condition not reached in time"
-        await asyncio.sleep(0.002)
 
 
 def replica(name: str, url: str) -> tuple[Dispatcher, NatsReplicaSync]:

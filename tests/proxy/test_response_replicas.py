@@ -3,37 +3,19 @@ response id -> engine binding travels over replica sync (a real NATS server)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from fake_api_engines import FakeApiEngine
 from fake_engines import FakeCluster
 
 from gateway.config import load_settings
 from gateway.proxy.app import create_app
-from tests.replicas.services import Service, start_nats
+from tests.replicas.services import Service, until
 
 A, B = "http://a:1", "http://b:1"
-
-
-@pytest.fixture
-def nats(tmp_path: Path) -> Iterator[Service]:
-    svc = start_nats(tmp_path)
-    yield svc
-    svc.stop()
-
-
-async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    start = time.monotonic()
-    while not cond():
-        assert time.monotonic() - start < timeout, "condition not reached in time"
-        await asyncio.sleep(0.002)
 
 
 @asynccontextmanager

@@ -7,11 +7,13 @@ venv's bin) or the PATH; ``haproxy`` from Debian's package
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,3 +200,12 @@ def haproxy_server_counters(svc: Service, server: str) -> dict[str, int]:
     from it (``wredis``)."""
     row = haproxy_stats(svc)[server]
     return {k: int(row[k] or 0) for k in ("econ", "wretr", "wredis")}
+
+
+async def until(cond: Callable[[], bool], timeout: float = 5.0) -> float:
+    """Seconds until ``cond()`` held, polled every 2 ms (fails after ``timeout``)."""
+    start = time.monotonic()
+    while not cond():
+        assert time.monotonic() - start < timeout, "condition not reached in time"
+        await asyncio.sleep(0.002)
+    return time.monotonic() - start
