@@ -96,6 +96,25 @@ class Membership(Protocol):
     def remove(self, url: str) -> object: ...
 
 
+def managed_after(
+    desired: Mapping[str, Target], managed: Mapping[str, Target], registered: AbstractSet[str]
+) -> tuple[dict[str, Target], Plan]:
+    """The engines discovery manages once ``desired`` is applied (less those someone else
+    registered), and the :func:`plan` that applies it."""
+    others = registered - managed.keys()
+    return {u: t for u, t in desired.items() if u not in others}, plan(desired, managed, registered)
+
+
+async def apply_plan(membership: Membership, change: Plan, gone: str) -> None:
+    """Remove then add what ``change`` says, logging each removal as ``gone``."""
+    for url in change.remove:
+        log.info("discovery: engine %s %s; removing it", url, gone)
+        membership.remove(url)
+    if change.add:
+        log.info("discovery: adding engines %s", ", ".join(t.url for t in change.add))
+        await membership.add(change.add)
+
+
 @dataclass(slots=True)
 class RegistryMembership:
     """Changes the registry exactly as ``POST`` and ``DELETE /admin/engines`` do."""
@@ -189,15 +208,8 @@ class KubeDiscovery:
                 for url, target in slice_targets(slices.objects.values(), source).items():
                     desired.setdefault(url, target)
             registered = self.membership.registered()
-            change = plan(desired, self.managed, registered)
-            others = registered - self.managed.keys()
-            self.managed = {u: t for u, t in desired.items() if u not in others}
-            for url in change.remove:
-                log.info("discovery: engine %s is gone; removing it", url)
-                self.membership.remove(url)
-            if change.add:
-                log.info("discovery: adding engines %s", ", ".join(t.url for t in change.add))
-                await self.membership.add(change.add)
+            self.managed, change = managed_after(desired, self.managed, registered)
+            await apply_plan(self.membership, change, "is gone")
 
 
 class Discovery(Protocol):

@@ -18,7 +18,7 @@ import contextlib
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 
-from gateway.cluster.discovery import Membership, Target, plan
+from gateway.cluster.discovery import Membership, Target, apply_plan, managed_after
 from gateway.cluster.kube_api import Collection, KubeApi, Obj, get
 from gateway.config import DiscoveryConfig, InferencePoolConfig
 from gateway.core.types import EngineRole
@@ -167,12 +167,5 @@ class InferencePoolDiscovery:
             pods = self.pods.objects.values() if self.pods is not None else ()
             desired = pod_targets(pods, self.selector, self.ports, self.source)
             registered = self.membership.registered()
-            change = plan(desired, self.managed, registered)
-            others = registered - self.managed.keys()
-            self.managed = {u: t for u, t in desired.items() if u not in others}
-            for url in change.remove:
-                log.info("discovery: engine %s left the pool; removing it", url)
-                self.membership.remove(url)
-            if change.add:
-                log.info("discovery: adding engines %s", ", ".join(t.url for t in change.add))
-                await self.membership.add(change.add)
+            self.managed, change = managed_after(desired, self.managed, registered)
+            await apply_plan(self.membership, change, "left the pool")
