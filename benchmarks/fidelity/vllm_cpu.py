@@ -6,7 +6,9 @@ decode, the frontend term and the idle wake), then for each policy and rate
 replays the same workload through ``kvgate serve`` in front of the engines and
 through the simulator with the calibrated profile, and prints the prediction
 error of TTFT p50/p90 and mean end-to-end latency, and the largest client-side
-error. ``default`` names kvgate's default policy (``gateway.config``).
+error. ``default`` names kvgate's default policy (``gateway.config``); ``direct``
+sends the requests straight to the engines, round robin, without kvgate (what the
+gateway process costs the engines on a machine where they share its cores).
 
     scripts/setup_vllm.sh && .venv/bin/python -m benchmarks.fidelity.vllm_cpu \
         --workload prefill --rates 1,3,6 --policies round_robin,default
@@ -38,7 +40,12 @@ SHAPES = {"chat": CHAT, "prefill": PREFILL}
 def main() -> None:
     ap = benchmark_parser(__doc__, "benchmarks.fidelity.vllm_cpu")
     ap.add_argument("--engines", type=int, default=2)
-    ap.add_argument("--policies", default="round_robin,default")
+    ap.add_argument(
+        "--policies",
+        default="round_robin,default",
+        help="comma-separated; 'default' is kvgate's default policy, 'direct' replays straight "
+        "to the engines (request i to engine i mod N, no kvgate)",
+    )
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--rates", default="3", help="comma-separated request rates (req/s)")
     ap.add_argument("--workload", choices=sorted(SHAPES), default="chat")
@@ -79,14 +86,16 @@ def main() -> None:
                 for r in args.rates.split(",")
                 for s in args.seeds.split(",")
             ):
-                gw_args = ["--policy", policy]
-                for url in urls:
-                    gw_args += ["--engine", url]
-                gw = start_gateway(logdir, gw_args)
+                gw = None
+                if policy != "direct":
+                    gw_args = ["--policy", policy]
+                    for url in urls:
+                        gw_args += ["--engine", url]
+                    gw = start_gateway(logdir, gw_args)
                 try:
                     rows.append(
                         measure(
-                            gw.url,
+                            gw.url if gw else None,
                             urls,
                             MODEL,
                             policy,
@@ -99,7 +108,8 @@ def main() -> None:
                         )
                     )
                 finally:
-                    gw.stop()
+                    if gw:
+                        gw.stop()
                 print(table(rows[-1:]), flush=True)
             print(
                 f"\n{args.engines} engines, {args.workload} workload, {args.requests} requests "

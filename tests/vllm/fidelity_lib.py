@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from gateway.bench.loadgen import ReplayRequest, replay
+from gateway.bench.loadgen import ReplayRequest, ReplayResult, replay
 from gateway.core.vllm_hash import block_ids
 from gateway.perfmodel.presets import load_preset
 from gateway.sim.loop import ClusterSpec
@@ -94,11 +94,12 @@ class Shape:
     system: tuple[int, int] = (150, 60)
     unique: tuple[int, int] = (10, 40)
     output: tuple[int, int] = (8, 32)
+    name: str = "chat"
 
 
 CHAT = Shape()
 """Short shared-prefix chat: ~200-400 token prompts, mostly cached."""
-PREFILL = Shape(system=(250, 80), unique=(700, 1300), output=(4, 16))
+PREFILL = Shape(system=(250, 80), unique=(700, 1300), output=(4, 16), name="prefill")
 """Prefill-dominated: 1-2k token prompts, two thirds of them unique to the request."""
 
 
@@ -184,6 +185,7 @@ def others_share(before: CpuSnapshot, after: CpuSnapshot, cores: int) -> float:
 ENGINE_SERIES = {
     "engine_ttft_mean": "vllm:time_to_first_token_seconds",
     "engine_e2e_mean": "vllm:e2e_request_latency_seconds",
+    "engine_itl_mean": "vllm:inter_token_latency_seconds",
 }
 
 
@@ -217,6 +219,7 @@ class Row:
     real: dict[str, float]
     sim: dict[str, float]
     rate: float = 0.0
+    workload: str = "chat"
 
     def error(self, key: str) -> float:
         return abs(self.sim[key] - self.real[key]) / self.real[key]
@@ -232,7 +235,7 @@ def stats(ttft: list[float], e2e: list[float]) -> dict[str, float]:
 
 
 def measure(
-    gateway_url: str,
+    gateway_url: str | None,
     engines: list[str],
     model: str,
     policy: str,
@@ -244,14 +247,16 @@ def measure(
     shape: Shape = CHAT,
     sessions: list[int] | None = None,
 ) -> Row:
-    """One replay and its simulation; ``sessions``: the engines' process sessions (the share
-    of their cores that other processes took meanwhile is reported)."""
+    """One replay through ``gateway_url`` and its simulation (``gateway_url=None``: straight
+    to the engines, the i-th request to engine i mod N, simulated as ``round_robin``);
+    ``sessions``: the engines' process sessions (the share of their cores that other
+    processes took meanwhile is reported)."""
     sessions = sessions or []
     requests = schedule(n, rate, seed, tag=f"{policy}-{seed}-{rate:g}", shape=shape)
     before = engine_sums(engines)
     cores = {i % 2 for i in range(len(engines))}
     cpu = cpu_snapshot(sessions, cores)
-    results = asyncio.run(replay(gateway_url, model, requests))
+    results = asyncio.run(_send(gateway_url, engines, model, requests))
     others = others_share(cpu, cpu_snapshot(sessions, cores), len(cores))
     after = engine_sums(engines)
     bad = [r.error for r in results if r.error]
@@ -264,7 +269,8 @@ def measure(
     real["others_cpu_share"] = others
     perf = load_preset(str(profile))
     workload = sim_workload(engines[0], model, requests, perf.block_size)
-    run = run_policy(policy, workload, ClusterSpec(len(engines), perf))
+    simulated = policy if gateway_url is not None else "round_robin"
+    run = run_policy(simulated, workload, ClusterSpec(len(engines), perf))
     sim = stats(
         [x.ttft for x in run.records if x.ttft is not None],
         [x.e2e for x in run.records if x.e2e is not None],
@@ -272,14 +278,25 @@ def measure(
     # engine-side: the same engines without the frontend term (vLLM's histograms start when
     # the API process accepted the request and end before the answer leaves it)
     inside = perf.with_overrides(frontend_ms=0.0, frontend_per_stream_ms=0.0)
-    engine_run = run_policy(policy, workload, ClusterSpec(len(engines), inside))
+    engine_run = run_policy(simulated, workload, ClusterSpec(len(engines), inside))
     engine_stats = stats(
         [x.ttft for x in engine_run.records if x.ttft is not None],
         [x.e2e for x in engine_run.records if x.e2e is not None],
     )
     sim["engine_ttft_mean"] = engine_stats["ttft_mean"]
     sim["engine_e2e_mean"] = engine_stats["e2e_mean"]
-    return Row(policy, real, sim, rate)
+    return Row(policy, real, sim, rate, shape.name)
+
+
+async def _send(
+    gateway_url: str | None, engines: list[str], model: str, requests: list[ReplayRequest]
+) -> list[ReplayResult]:
+    if gateway_url is not None:
+        return await replay(gateway_url, model, requests)
+    parts = await asyncio.gather(
+        *(replay(url, model, requests[i :: len(engines)]) for i, url in enumerate(engines))
+    )
+    return [r for part in parts for r in part]
 
 
 CLIENT_KEYS = ("ttft_p50", "ttft_p90", "e2e_mean")
@@ -289,10 +306,10 @@ ENGINE_KEYS = ("engine_ttft_mean", "engine_e2e_mean")
 def table(rows: list[Row]) -> str:
     """Client-side (through kvgate) and engine-side (vLLM's own histograms) real vs simulated."""
     lines = [
-        "| policy | req/s | TTFT p50 real / sim (error) | TTFT p90 real / sim (error) | "
+        "| policy | workload | req/s | TTFT p50 real / sim (error) | TTFT p90 real / sim (error) | "
         "E2E mean real / sim (error) | engine-side TTFT mean | engine-side E2E mean | "
-        "other processes on the engines' cores |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "engines' inter-token mean | other processes on the engines' cores |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         cells = [
@@ -300,7 +317,12 @@ def table(rows: list[Row]) -> str:
             for k in CLIENT_KEYS + ENGINE_KEYS
         ]
         others = r.real.get("others_cpu_share", 0.0)
-        lines.append(f"| {r.policy} | {r.rate:g} | " + " | ".join(cells) + f" | {others:.0%} |")
+        itl = r.real.get("engine_itl_mean", 0.0) * 1000
+        lines.append(
+            f"| {r.policy} | {r.workload} | {r.rate:g} | "
+            + " | ".join(cells)
+            + f" | {itl:.1f} ms | {others:.0%} |"
+        )
     return "\n".join(lines)
 
 
