@@ -22,7 +22,15 @@ from pathlib import Path
 
 from benchmarks.common import benchmark_parser
 from gateway.config import PolicyConfig
-from tests.vllm.conftest import MODEL, ensure_setup, start_engine, start_gateway, wait_healthy
+from tests.vllm.conftest import (
+    MODEL,
+    SCALE_OUT,
+    ensure_setup,
+    lora_args,
+    start_engine,
+    start_gateway,
+    wait_healthy,
+)
 from tests.vllm.fidelity_lib import (
     CHAT,
     PREFILL,
@@ -51,13 +59,25 @@ def main() -> None:
     ap.add_argument("--workload", choices=sorted(SHAPES), default="chat")
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--calibrate-seconds", type=int, default=90)
+    ap.add_argument(
+        "--tier-engines",
+        action="store_true",
+        help="engines as the test tier's unified ones (LoRA adapters, KV events, render "
+        "endpoints) instead of plain ones",
+    )
     ap.add_argument("--profile", help="reuse a calibrated profile instead of calibrating")
     args = ap.parse_args()
     ensure_setup()
     with tempfile.TemporaryDirectory(prefix="kvgate-fidelity-") as tmp:
         logdir = Path(tmp)
         engines = [
-            start_engine(logdir, f"engine{i}", cores=str(i % 2), extra=[])
+            start_engine(
+                logdir,
+                f"engine{i}",
+                cores=str(i % 2),
+                extra=[*lora_args(), *SCALE_OUT] if args.tier_engines else [],
+                kv_events=args.tier_engines,
+            )
             for i in range(args.engines)
         ]
         try:
