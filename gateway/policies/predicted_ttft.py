@@ -26,7 +26,14 @@ Dynamo, ``../shared/docs/anchors.md``):
    routed there, decayed over ``duty_window_s`` (chunked prefill shares the
    decode steps, :class:`~gateway.policies.inflight.RoutedWork`); with KV
    events, the prefill of the blocks the engine announced instead, which
-   every gateway replica sees alike.
+   every gateway replica sees alike. ``kv_admission``: where the KV in use,
+   the queued prefill and the request's own blocks exceed the engine's KV
+   capacity, the request also waits about half a predicted output of decode
+   steps for running sequences to free room
+   (:func:`~gateway.policies.ttft_estimate.admission_wait_s`). Without it, on
+   8 A6000 engines with long conversations (``gen:conversation?n=1500&think=600``,
+   KV 90-100 % full) 7-16k-token prompts went to engines predicted at 2-5 s
+   whose full caches held them 20-27 s, and TTFT p99 was above least_loaded's.
 3. **Aging** (``wait_bound``): only engines whose predicted TTFT is within
    the request's TTFT target, or within ``wait_bound`` x its cold prefill
    time of the least-wait engine's, are candidates; so a request's wait beyond
@@ -79,7 +86,7 @@ Knobs (defaults): ``work_weight=4``, ``decode_weight=1``, ``evict_weight=3``,
 ``tpot_headroom=1``, ``duty_window_s=10``, ``share_slack=0.2``,
 ``share_weight=10``, ``share_window=32``, ``max_utilisation=0.9``,
 ``busy_window=32``, ``tie_s=0.005``, ``index_blocks=0``, ``precise=false``,
-``wait_bound=1`` (0: no aging).
+``wait_bound=1`` (0: no aging), ``kv_admission=true``.
 """
 
 from __future__ import annotations
@@ -94,7 +101,13 @@ from gateway.policies.base import PolicyBase, PolicyContext
 from gateway.policies.inflight import InFlightContext, RoutedWork
 from gateway.policies.output_predictor import OutputPredictor
 from gateway.policies.prefix_index import PrefixIndex
-from gateway.policies.ttft_estimate import queued_tokens, step_rate, tpot_s, wait_s
+from gateway.policies.ttft_estimate import (
+    admission_wait_s,
+    queued_tokens,
+    step_rate,
+    tpot_s,
+    wait_s,
+)
 
 _FALLBACK_PERF = PerfModel(name="predicted-ttft-default", prefill_a=4.21, prefill_b=0.1084)
 _DEFAULT_INDEX_BLOCKS = 31_250  # ~500k tokens of 16 when an engine reports no KV size
@@ -121,6 +134,9 @@ class PredictedTtftConfig:
     precise: bool = False
     """Correct the routed-prompt index with the engines' KV events (stored, removed, cleared)."""
     wait_bound: float = 1.0
+    kv_admission: bool = True
+    """Add to an engine's wait the time its KV cache needs to make room for the request
+    (:func:`~gateway.policies.ttft_estimate.admission_wait_s`)."""
 
     def __post_init__(self) -> None:
         if min(self.work_weight, self.decode_weight, self.tie_s, self.wait_bound) < 0:
@@ -193,6 +209,8 @@ class PredictedTtftPolicy(PolicyBase):
             ctx = self.flight.attended(self.perf, e, req.prompt_tokens)
             rate = step_rate(self.perf, e, ctx)
             wait = wait_s(self.perf, e, rate)
+            if cfg.kv_admission:
+                wait += admission_wait_s(self.perf, e, req.prompt_tokens - hit, out)
             work = self.perf.prefill_time(req.prompt_tokens - hit, hit)
             tpot = (
                 tpot_s(

@@ -13,7 +13,7 @@ from gateway.core.types import ClusterView, EngineView, RequestInfo
 from gateway.perfmodel.presets import load_preset
 from gateway.policies import Dispatcher, PolicyContext, create_policy
 from gateway.policies.predicted_ttft import PredictedTtftPolicy
-from gateway.policies.ttft_estimate import step_rate
+from gateway.policies.ttft_estimate import admission_wait_s, step_rate
 
 BS = 16
 PERF = load_preset("mistral-7b-a6000")
@@ -250,3 +250,31 @@ def test_a_long_prompt_is_not_priced_behind_a_deep_queue_by_a_stream_of_short_on
             warm(d, req(f"s{i}", (9000 + i,)), "e0", 2, now=float(i))
         v = view(ev(0), ev(1, pending_prefill_tokens=80_000))
         assert d.route(long, v, 100.0).engine == expected, bound
+
+
+def test_a_full_kv_cache_holds_a_new_prompt_until_running_sequences_finish() -> None:
+    """e0 holds the document's 8,000 tokens and has no prefill queued, but its KV cache is
+    99.9 % full: the 4,000 new tokens of a follow-up wait there for running sequences to
+    finish (about half a predicted output of decode steps, ~2.2 s, ``kv_admission``), so it
+    goes to e1, which has 15,000 tokens queued (~1.6 s) and room (80 % full). Without it the
+    follow-up keeps its hit on e0, priced as if its prefill started at once."""
+    follow_up = req("q", DOC, extra=4_000, out=64)
+    for admission, expected in ((True, "e1"), (False, "e0")):
+        _, d = make(kv_admission=admission)
+        warm(d, req("doc", DOC), "e0", 2)
+        v = view(
+            ev(0, num_running=10, kv_usage=0.999),
+            ev(1, num_running=10, kv_usage=0.8, pending_prefill_tokens=15_000),
+        )
+        assert d.route(follow_up, v, 1.0).engine == expected, admission
+
+
+def test_the_admission_wait_is_zero_while_the_request_fits() -> None:
+    e = ev(0, num_running=10, kv_usage=0.5)
+    assert admission_wait_s(PERF, e, 8_000, 256) == 0.0
+    assert admission_wait_s(PERF, ev(0, kv_usage=0.999), 8_000, 256) == 0.0  # nothing runs
+    full = ev(0, num_running=10, kv_usage=0.999)
+    used = int(0.999 * PERF.kv_capacity_blocks) * PERF.block_size
+    step = PERF.decode_step_time(10, used)
+    assert admission_wait_s(PERF, full, 8_000, 256) == pytest.approx(128 * step)
+    assert admission_wait_s(PERF, full, 8_000, 512) == pytest.approx(256 * step)
