@@ -102,12 +102,17 @@ def start_direct_envoy(workdir: Path, engine_port: int) -> Target:
     return Target("envoy -> engine", f"http://127.0.0.1:{port}", procs=[proc])
 
 
-def start_py_spy(folder: Path, mode: str, pid: int, seconds: float) -> subprocess.Popen[bytes]:
+def start_py_spy(
+    folder: Path, mode: str, pid: int, seconds: float, native: bool = False
+) -> subprocess.Popen[bytes]:
     folder.mkdir(parents=True, exist_ok=True)
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     out = folder / f"epp-{mode}.txt"
     cmd = [spy, "record", "--format", "raw", "--rate", "200", "--duration", f"{seconds:.0f}"]
-    cmd += ["--pid", str(pid), "--output", str(out), "--nonblocking"]
+    cmd += ["--pid", str(pid), "--output", str(out)]
+    # native: C frames too (gRPC's core, the Cython layer), each thread apart; py-spy then
+    # pauses the picker for each sample, which costs it throughput
+    cmd += ["--native", "--threads"] if native else ["--nonblocking"]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -154,6 +159,12 @@ def main() -> int:
         metavar="DIR",
         help="profile each picker with py-spy during its first throughput run; collapsed "
         "stacks to DIR/epp-MODE.txt and the top functions printed",
+    )
+    ap.add_argument(
+        "--native",
+        action="store_true",
+        help="with --py-spy: native (C) frames and thread ids in the stacks (py-spy pauses the "
+        "picker for each sample: its throughput row is lower)",
     )
     ap.add_argument(
         "--ab",
@@ -218,7 +229,9 @@ def main() -> int:
                 mode = next((m for m, e in epps.items() if e is t), None)
                 spy = None
                 if args.py_spy and rnd == 0 and mode is not None:
-                    spy = start_py_spy(Path(args.py_spy), mode, t.procs[1].pid, args.seconds)
+                    spy = start_py_spy(
+                        Path(args.py_spy), mode, t.procs[1].pid, args.seconds, args.native
+                    )
                 measure(t, path, args.seconds, short, 16)
                 if spy is not None:
                     spy.wait(60)
