@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import os
 import tempfile
+from functools import partial
 from pathlib import Path
 
 from benchmarks.common import benchmark_parser
 from gateway.config import PolicyConfig
 from tests.vllm.conftest import (
     MODEL,
-    SCALE_OUT,
     ensure_setup,
-    lora_args,
     start_engine,
     start_gateway,
+    start_unified_engine,
     wait_healthy,
 )
 from tests.vllm.fidelity_lib import (
@@ -62,24 +62,16 @@ def main() -> None:
     ap.add_argument(
         "--tier-engines",
         action="store_true",
-        help="engines as the test tier's unified ones (LoRA adapters, KV events, render "
-        "endpoints) instead of plain ones",
+        help="engines as the test tier's unified ones (tests/vllm/conftest.py:"
+        "start_unified_engine: LoRA adapters, KV events, render endpoints) instead of plain ones",
     )
     ap.add_argument("--profile", help="reuse a calibrated profile instead of calibrating")
     args = ap.parse_args()
     ensure_setup()
     with tempfile.TemporaryDirectory(prefix="kvgate-fidelity-") as tmp:
         logdir = Path(tmp)
-        engines = [
-            start_engine(
-                logdir,
-                f"engine{i}",
-                cores=str(i % 2),
-                extra=[*lora_args(), *SCALE_OUT] if args.tier_engines else [],
-                kv_events=args.tier_engines,
-            )
-            for i in range(args.engines)
-        ]
+        start = start_unified_engine if args.tier_engines else partial(start_engine, extra=[])
+        engines = [start(logdir, f"engine{i}", cores=str(i % 2)) for i in range(args.engines)]
         try:
             wait_healthy(engines)
             urls = [e.url for e in engines]

@@ -246,6 +246,21 @@ def lora_args(adapters: tuple[str, ...] = ADAPTERS) -> list[str]:
 
 
 RUNTIME_LORA = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
+def start_unified_engine(logdir: Path, name: str, *, cores: str) -> Engine:
+    """One of the fleet's unified engines: LoRA (:data:`ADAPTERS`, run-time loading), KV
+    events, the Responses store, the render endpoints and dev mode."""
+    return start_engine(
+        logdir,
+        name,
+        cores=cores,
+        extra=[*lora_args(), *SCALE_OUT],
+        kv_events=True,
+        env={**DEV, **RESPONSES_STORE, **RUNTIME_LORA},
+    )
+
+
 KILLS_ENGINE = "victim"
 """Tests using this fixture kill the engine it gives: collected last, after its other users."""
 
@@ -274,17 +289,7 @@ def fleet(
     # process at a time importing vLLM, so engines started together share the cores' time;
     # one started later on its own leaves the other core idle while the tests wait for it).
     # Dev mode for /reset_prefix_cache (the KV-event reset test) and run-time LoRA loading.
-    unified = [
-        start_engine(
-            logdir,
-            f"unified{i}",
-            cores=str(i),
-            extra=[*lora_args(), *SCALE_OUT],
-            kv_events=True,
-            env={**DEV, **RESPONSES_STORE, **RUNTIME_LORA},
-        )
-        for i in range(2)
-    ]
+    unified = [start_unified_engine(logdir, f"unified{i}", cores=str(i)) for i in range(2)]
     engines = [
         *unified,
         start_engine(
