@@ -25,6 +25,7 @@ echo "== mypy --strict"
 echo "== pytest (fast suite)"
 ./scripts/setup_prometheus.sh  # Debian's prometheus + promtool for tests/deploy
 ./scripts/setup_replicas.sh  # Debian's haproxy: tests/deploy checks haproxy.cfg with `haproxy -c`
+./scripts/setup_native.sh  # kvgate-epp-front (C++): tests/epp and tests/envoy run both front ends
 # every tier prints its slowest tests (--durations) so a slow-down shows on every run; the fast
 # suite runs on every core (pytest-xdist), each file's tests on one worker (its module fixtures
 # start once); `./scripts/test.sh -n 0` runs it in one process

@@ -56,6 +56,14 @@ def register(sub: Any) -> None:
         "(default: timeouts.read_s)",
     )
     p.add_argument(
+        "--frontend",
+        choices=["python", "native"],
+        default="python",
+        help="who speaks ext_proc: python (grpc.aio in this process, the default) or native "
+        "(kvgate-epp-front, C++, built by scripts/setup_native.sh; decisions stay here; about "
+        "2-3x the requests per second)",
+    )
+    p.add_argument(
         "--loop",
         choices=["auto", "asyncio", "uvloop"],
         default="auto",
@@ -96,6 +104,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
         key_path=args.key_path,
         fallbacks=args.fallbacks,
         release_after_s=args.release_after,
+        frontend=getattr(args, "frontend", "python"),
     )
 
 
@@ -107,11 +116,10 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level)
     factory = _loop_factory(getattr(args, "loop", "auto"))
     with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(_serve(settings, options))
-    return 0
+        return runner.run(_serve(settings, options))
 
 
-async def _serve(settings: Any, options: Any) -> None:
+async def _serve(settings: Any, options: Any) -> int:
     from gateway.epp.server import EppServer
 
     server = EppServer(settings, options)
@@ -122,6 +130,12 @@ async def _serve(settings: Any, options: Any) -> None:
             loop.add_signal_handler(sig, stop.set)
     try:
         await server.start()
-        await stop.wait()  # SIGTERM: not ready, drain the open streams, exit 0
+        waits = [asyncio.ensure_future(stop.wait())]  # SIGTERM: not ready, drain, exit 0
+        if server.failed is not None:  # the native front end died: nothing can route
+            waits.append(asyncio.ensure_future(server.failed.wait()))
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        return 1 if server.failed is not None and server.failed.is_set() else 0
     finally:
         await server.stop()

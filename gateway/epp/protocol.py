@@ -154,11 +154,16 @@ def streamed_bodies(chunks: list[bytes], *, end: bool = True) -> list[pb.Process
 def immediate(status: int, body: Any, headers: Mapping[str, str] | None = None) -> Any:
     """An ``ImmediateResponse``: kvgate answers the client itself (JSON ``body``)."""
     hdrs = {"content-type": "application/json", **(headers or {})}
+    return immediate_bytes(status, json.dumps(body).encode(), hdrs)
+
+
+def immediate_bytes(status: int, body: bytes, headers: Mapping[str, str]) -> Any:
+    """An ``ImmediateResponse`` with this body and these headers, as given."""
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),
-            headers=mutation(hdrs),
-            body=json.dumps(body).encode(),
+            headers=mutation(headers),
+            body=body,
             details=f"kvgate_epp_{status}",
         )
     )

@@ -27,6 +27,7 @@ from gateway.core.errors import ConfigError
 from gateway.proxy.service import RoutingService
 
 from .accounting import Ledger
+from .bridge import NativeFrontEnd, find_binary
 from .health import Health
 from .picker import Picker
 from .stream import StreamHandler
@@ -54,6 +55,11 @@ class EppOptions:
     """Release a picked request whose response has not ended after this long (None: the
     upstream read timeout, ``timeouts.read_s``)."""
     grace_s: float = 5.0
+    frontend: str = "python"
+    """``python``: grpc.aio in this process; ``native``: ``kvgate-epp-front`` (C++) speaks
+    the protocol and asks this process for each decision (:mod:`gateway.epp.bridge`)."""
+    native_binary: Path | None = None
+    """The native front end's binary (None: found by :func:`~gateway.epp.bridge.find_binary`)."""
 
 
 class _Processor:
@@ -99,10 +105,61 @@ class EppServer:
         """The gRPC port bound (``options.port``, or the one the OS chose for 0)."""
         self.metrics_port = 0
         self._server: grpc.aio.Server | None = None
+        self._native: NativeFrontEnd | None = None
         self._metrics: Any = None
+
+    @property
+    def failed(self) -> asyncio.Event | None:
+        """Set when the native front end exited on its own (None: the Python front end)."""
+        return self._native.failed if self._native is not None else None
+
+    async def _start_native(self) -> None:
+        o = self.options
+        tls = None
+        if o.cert_path is not None or o.key_path is not None:
+            _credentials(o)  # both given and readable, or a clear error
+            assert o.cert_path is not None and o.key_path is not None
+            tls = (o.cert_path, o.key_path)
+        host = f"[{o.host}]" if ":" in o.host else o.host
+        self._native = NativeFrontEnd(
+            self.handler,
+            self.ledger,
+            find_binary(o.native_binary),
+            listen=f"{host}:{o.port}",
+            max_body=self.settings.max_body_bytes,
+            grace_s=o.grace_s,
+            tls=tls,
+        )
+        self.port = await self._native.start()  # liveness serves from here
 
     async def start(self) -> None:
         """Listen (liveness serves at once), start the routing service, then be ready."""
+        if self.options.frontend == "native":
+            await self._start_native()
+        else:
+            await self._start_grpc()
+        if self.options.metrics_port is not None:
+            host = self.options.metrics_host or self.options.host
+            try:
+                self._metrics = start_http_server(
+                    self.options.metrics_port, addr=host, registry=self.service.metrics.registry
+                )
+            except OSError as exc:
+                raise ConfigError(f"cannot serve /metrics on {host}: {exc}") from None
+            self.metrics_port = self._metrics[0].server_port
+        await self.service.start()
+        await self.set_ready(True)
+        log.info(
+            "kvgate epp ready",
+            extra={
+                "port": self.port,
+                "tls": self.options.cert_path is not None,
+                "policy": self.service.policy_name,
+                "frontend": self.options.frontend,
+            },
+        )
+
+    async def _start_grpc(self) -> None:
         creds = _credentials(self.options)  # a bad certificate fails before anything runs
         limit = self.settings.max_body_bytes + (1 << 20)
         server = grpc.aio.server(
@@ -126,29 +183,27 @@ class EppServer:
         await server.start()
         self._server = server
         await self.health.alive()
-        if self.options.metrics_port is not None:
-            host = self.options.metrics_host or self.options.host
-            try:
-                self._metrics = start_http_server(
-                    self.options.metrics_port, addr=host, registry=self.service.metrics.registry
-                )
-            except OSError as exc:
-                raise ConfigError(f"cannot serve /metrics on {host}: {exc}") from None
-            self.metrics_port = self._metrics[0].server_port
-        await self.service.start()
-        await self.health.ready(True)
-        log.info(
-            "kvgate epp ready",
-            extra={"port": self.port, "tls": creds is not None, "policy": self.service.policy_name},
-        )
+
+    async def set_ready(self, ready: bool) -> None:
+        """Readiness (and the processor's health) as Envoy's health check sees it."""
+        if self._native is not None:
+            await self._native.ready(ready)
+        else:
+            await self.health.ready(ready)
 
     async def wait(self) -> None:
+        if self._native is not None:
+            await self._native.failed.wait()
+            return
         assert self._server is not None
         await self._server.wait_for_termination()
 
     async def stop(self) -> None:
         """Not ready, let open streams finish within the grace period, then stop all."""
-        await self.health.ready(False)
+        await self.set_ready(False)
+        if self._native is not None:
+            await self._native.stop()
+            self._native = None
         if self._server is not None:
             await self._server.stop(self.options.grace_s)
             self._server = None

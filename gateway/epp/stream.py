@@ -31,8 +31,10 @@ streamed mutations (``FULL_DUPLEX_STREAMED``).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.proxy.endpoints import Endpoint, match
@@ -49,12 +51,40 @@ from .picker import Picker
 log = logging.getLogger("kvgate.epp")
 
 
-def _error(exc: ApiError, endpoint: Endpoint | None) -> Any:
+@dataclass(slots=True)
+class Verdict:
+    """A complete request's answer, for either front end: routed (``destination`` and the
+    header mutations) or refused (``status`` > 0: kvgate answers the client itself)."""
+
+    set_headers: dict[str, str] = field(default_factory=dict)
+    remove: list[str] = field(default_factory=list)
+    destination: str = ""
+    status: int = 0
+    body: bytes = b""
+    """The refusal's JSON body."""
+
+
+def refusal(exc: ApiError, endpoint: Endpoint | None) -> Verdict:
+    """kvgate's refusal of a request, in the endpoint's error shape (OpenAI's by default)."""
     if endpoint is not None and endpoint.errors == "anthropic":
         body = anthropic_error_body(exc.status, exc.message)
     else:
         body = error_body(exc.status, exc.message, param=exc.param, error_type=exc.error_type)
-    return p.immediate(exc.status, body, exc.headers)
+    headers = {"content-type": "application/json", **(exc.headers or {})}
+    return Verdict(set_headers=headers, status=exc.status, body=json.dumps(body).encode())
+
+
+def to_messages(verdict: Verdict, phase: str) -> list[Any]:
+    """The verdict as ext_proc messages (the Python front end's)."""
+    if verdict.status:
+        return [p.immediate_bytes(verdict.status, verdict.body, verdict.set_headers)]
+    return [
+        p.routed(
+            phase,
+            p.mutation(verdict.set_headers, verdict.remove),
+            p.destination_metadata(verdict.destination),
+        )
+    ]
 
 
 def _client(headers: Mapping[str, str]) -> tuple[str, int] | None:
@@ -103,9 +133,7 @@ class StreamHandler:
                         chunks.append(body.body)
                         size += len(body.body)
                         if size > limit:
-                            yield _error(
-                                ApiError(413, f"request body is larger than {limit} bytes"), None
-                            )
+                            yield to_messages(self.too_large(), "")[0]
                             return
                     if body.end_of_stream and not decided:
                         phase = "request_headers" if duplex else "request_body"
@@ -164,25 +192,37 @@ class StreamHandler:
         """The answers to a complete request (its pick, or kvgate's refusal) and its ticket.
         ``echo``: send the body back after the pick (FULL_DUPLEX_STREAMED), ending the body
         (``"end"``) or leaving it to the trailers (``"open"``)."""
+        raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        verdict, ticket = await self.verdict(headers, raw, subset)
+        out = to_messages(verdict, phase)
+        return (out + self._echo(chunks, echo) if not verdict.status else out), ticket
+
+    def too_large(self) -> Verdict:
+        limit = self.service.settings.max_body_bytes
+        return refusal(ApiError(413, f"request body is larger than {limit} bytes"), None)
+
+    async def verdict(
+        self, headers: dict[str, str], raw: bytes, subset: frozenset[str] | None
+    ) -> tuple[Verdict, Ticket | None]:
+        """Route one complete request (headers, body, the proxy's subset hint): the verdict,
+        and the ticket that tracks it until its response ends (None: nothing to track)."""
         s = self.service
         started = s.clock()
         method = headers.get(":method", "GET")
         path = headers.get(":path", "/").split("?", 1)[0]
         found = match(method, path)
         if found is None:  # not an inference endpoint (/v1/models, /health): any engine
-            answers = self._passthrough(subset, phase)
-            return answers + self._echo(chunks, echo), None
+            return self._passthrough(subset), None
         endpoint, response_id = found
         ex: Exchange | None = None
         try:
             admit(s, endpoint.route, client_credentials(headers), _client(headers))  # type: ignore[arg-type]
-            raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             ex = await build_exchange(s, endpoint, headers, raw, started, response_id=response_id)
             pick = await self.picker.pick(ex, subset)
         except ApiError as exc:
             if ex is not None and s.recorder is not None:
                 s.recorder.record(ex, ok=False, outcome=f"rejected_{exc.status}", output=None)
-            return [_error(exc, endpoint)], None
+            return refusal(exc, endpoint), None
         ticket = self.ledger.opened(ex, pick)
         ex.raw, ex.body = b"", None  # the ticket lives until the response ends: not the body
         set_headers = {p.DESTINATION: pick.destination, p.REQUEST_ID: ex.request_id}
@@ -196,12 +236,7 @@ class StreamHandler:
             remove.append("x-api-key")
         elif s.settings.api_keys:  # a kvgate client key is kvgate's, not the engine's
             remove += ["authorization", "x-api-key"]
-        answers = [
-            p.routed(
-                phase, p.mutation(set_headers, remove), p.destination_metadata(pick.destination)
-            )
-        ]
-        return answers + self._echo(chunks, echo), ticket
+        return Verdict(set_headers, remove, pick.destination), ticket
 
     @staticmethod
     def _echo(chunks: list[bytes], echo: str) -> list[Any]:
@@ -209,7 +244,7 @@ class StreamHandler:
             return []
         return p.streamed_bodies(chunks or [b""], end=echo == "end")
 
-    def _passthrough(self, subset: frozenset[str] | None, phase: str) -> list[Any]:
+    def _passthrough(self, subset: frozenset[str] | None) -> Verdict:
         engines = [
             e
             for e in self.service.registry.all()
@@ -217,14 +252,8 @@ class StreamHandler:
         ]
         if not engines:
             exc = ApiError(503, "no healthy engine is available", headers={"Retry-After": "1"})
-            return [_error(exc, None)]
+            return refusal(exc, None)
         flying = self.service.dispatcher.in_flight
         engine = min(engines, key=lambda e: flying.get(e.id, 0))
         address = self.picker.address(engine)
-        return [
-            p.routed(
-                phase,
-                p.mutation({p.DESTINATION: address}, [p.PREFILLER]),
-                p.destination_metadata(address),
-            )
-        ]
+        return Verdict({p.DESTINATION: address}, [p.PREFILLER], address)

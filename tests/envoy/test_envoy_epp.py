@@ -30,6 +30,11 @@ EPP_FLAGS: list[str] = ["--fallbacks", "0"]
 PREFIX = "kvgate envoy tier shared system prompt: answer tersely, cite nothing. " * 40
 
 
+FRONTENDS = ("python", "native")
+"""``kvgate epp --frontend``: grpc.aio in the picker, or kvgate-epp-front (C++;
+scripts/setup_native.sh builds it, scripts/test.sh runs that first)."""
+
+
 @dataclass
 class Stack:
     mode: str
@@ -37,6 +42,11 @@ class Stack:
     epp: Proc
     envoy: Envoy
     config: Path | None = None
+    frontend: str = "python"
+
+    @property
+    def flags(self) -> list[str]:
+        return ["--log-level", "warning", "--frontend", self.frontend, *EPP_FLAGS]
 
     def client(self, retries: int = 0) -> OpenAI:
         return OpenAI(
@@ -58,7 +68,13 @@ class Stack:
 
 
 def start_stack(
-    logdir: Path, mode: str, n: int = 3, *, policy: str = "cache_aware", settings: Any = None
+    logdir: Path,
+    mode: str,
+    n: int = 3,
+    *,
+    policy: str = "cache_aware",
+    settings: Any = None,
+    frontend: str = "python",
 ) -> Stack:
     """``n`` engines, ``kvgate epp`` (``settings``: its YAML config) and Envoy, all ready
     (started side by side: each Python process takes seconds to import on a loaded machine)."""
@@ -73,28 +89,34 @@ def start_stack(
         procs += engines
         epp, grpc_port = start_epp(logdir, [f"http://127.0.0.1:{p}" for p in ports],
                                    policy=policy, config=config,
-                                   extra=["--log-level", "warning", *EPP_FLAGS])  # fmt: skip
+                                   extra=["--log-level", "warning", "--frontend", frontend,
+                                          *EPP_FLAGS])  # fmt: skip
         procs.append(epp)
         envoy = start_envoy(logdir, mode, grpc_port)
         procs.append(envoy.proc)
         for e in engines:
             wait_for(e, "/health", timeout=300)
         wait(envoy.epp_healthy, 300, "Envoy sees the picker healthy", epp)
-        return Stack(mode, engines, epp, envoy, config)
+        return Stack(mode, engines, epp, envoy, config, frontend)
     except BaseException:
         for p in procs:
             p.stop()
         raise
 
 
-@pytest.fixture(scope="module", params=sorted(MODES))
+@pytest.fixture(
+    scope="module",
+    params=[(m, f) for m in sorted(MODES) for f in FRONTENDS],
+    ids=lambda p: f"{p[0]}-{p[1]}",
+)
 def stack(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
     # probes every 0.2 s, out after one failure: a killed engine is noticed at once
     quick = {"health": {"interval_s": 0.2, "failure_threshold": 1}}
-    s = start_stack(tmp_path_factory.mktemp(f"envoy-{request.param}"), request.param,
-                    settings=quick)  # fmt: skip
+    mode, frontend = request.param
+    s = start_stack(tmp_path_factory.mktemp(f"envoy-{mode}-{frontend}"), mode,
+                    settings=quick, frontend=frontend)  # fmt: skip
     try:
         yield s
     finally:
@@ -184,7 +206,7 @@ def test_the_picker_restarted(stack: Stack, tmp_path: Path) -> None:
     wait(lambda: not stack.envoy.epp_healthy(), 60, "Envoy marks the picker unhealthy")
     stack.epp, _ = start_epp(tmp_path, [e.url for e in stack.engines], port=stack.envoy.epp_port,
                              config=stack.config, name="epp-again",
-                             extra=["--log-level", "warning", *EPP_FLAGS])  # fmt: skip
+                             extra=stack.flags)  # fmt: skip
     wait(stack.envoy.epp_healthy, 300, "Envoy sees the restarted picker healthy", stack.epp)
     assert all(complete(oa, 10 + i) for i in range(8))
     assert sum(stack.served()) == sum(before) + 8

@@ -13,7 +13,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -32,6 +32,8 @@ MODEL = "kvgate-emulated"
 EMBED = "kvgate-embed"
 """The model of the pooling engines :func:`fleet` adds."""
 MODES = processing_mode_pb2.ProcessingMode.BodySendMode
+FRONTEND = "python"
+"""The front end :func:`picker` starts (``tests/epp/conftest.py`` runs each test with both)."""
 
 
 class FleetTransport(httpx.AsyncBaseTransport):
@@ -83,7 +85,8 @@ async def picker(
 ) -> AsyncIterator[EppServer]:
     """A started :class:`EppServer` on a free port (no /metrics port)."""
     cfg = load_settings(engines=engines, log_requests=False, **settings)
-    server = EppServer(cfg, options or EppOptions(port=0, metrics_port=None), transport=transport)
+    options = replace(options or EppOptions(port=0, metrics_port=None), frontend=FRONTEND)
+    server = EppServer(cfg, options, transport=transport)
     await server.start()
     try:
         yield server

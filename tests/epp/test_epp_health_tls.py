@@ -36,7 +36,7 @@ async def test_health_serves_liveness_readiness_and_the_processor() -> None:
         grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
     ):
         assert await statuses(channel) == dict.fromkeys(NAMES, SERVING)
-        await server.health.ready(False)  # shutting down: alive, not ready
+        await server.set_ready(False)  # shutting down: alive, not ready
         got = await statuses(channel)
         assert got["liveness"] == SERVING
         assert {got[n] for n in NAMES if n != "liveness"} == {
