@@ -93,16 +93,24 @@ class Target:
     p50: list[float] = field(default_factory=list)
     p99: list[float] = field(default_factory=list)
     cpu_us: list[float] = field(default_factory=list)
+    cpu_split: dict[str, list[float]] = field(default_factory=dict)
+    """CPU µs per request by process name (``/proc/PID/comm``: envoy, kvgate-epp-fro...)."""
     failed: int = 0
 
     def measure(self, seconds: float, run: Callable[[], tuple[float, float, float, int]]) -> None:
         """Record one load run of ``seconds`` (``run`` answers req/s, p50 ms, p99 ms and
         failures) and the CPU the target's processes spent per request."""
         pids = self.pids()
-        cpu0 = total_cpu(pids)
+        before = {p: (process_name(p), cpu_seconds(p)) for p in pids}
         rps, p50, p99, bad = run()
         if pids and rps:
-            self.cpu_us.append((total_cpu(pids) - cpu0) / (rps * seconds) * 1e6)
+            per_name: dict[str, float] = {}
+            for p, (name, cpu0) in before.items():
+                per_name[name] = per_name.get(name, 0.0) + max(0.0, cpu_seconds(p) - cpu0)
+            requests = rps * seconds
+            self.cpu_us.append(sum(per_name.values()) / requests * 1e6)
+            for name, used in per_name.items():
+                self.cpu_split.setdefault(name, []).append(used / requests * 1e6)
         self.rps.append(rps)
         self.p50.append(p50)
         self.p99.append(p99)
@@ -121,6 +129,14 @@ class Target:
                 if ppid in roots:
                     out.add(int(entry.name))
         return sorted(out)
+
+
+def process_name(pid: int) -> str:
+    """The process's command name (``/proc/PID/comm``, 15 characters at most)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "gone"
 
 
 def total_cpu(pids: list[int]) -> float:

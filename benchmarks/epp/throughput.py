@@ -6,9 +6,10 @@ Throughput (``wrk -t1 -c16``, short non-streaming completions, keep-alive), inte
 
 * ``engine``: straight to one engine (the ceiling);
 * ``envoy -> engine``: Envoy 1.40 with a static route to one engine (no picker);
-* ``envoy + epp (buffered)`` / ``(duplex)``: Envoy in the Inference Extension's layout
-  (``deploy/envoy/envoy.yaml``: ext_proc to ``kvgate epp``, ORIGINAL_DST by header), request
-  body ``BUFFERED`` or ``FULL_DUPLEX_STREAMED``;
+* ``envoy + epp (buffered, python)`` / ``(duplex, native)`` ...: Envoy in the Inference
+  Extension's layout (``deploy/envoy/envoy.yaml``: ext_proc to ``kvgate epp``, ORIGINAL_DST
+  by header), request body ``BUFFERED`` or ``FULL_DUPLEX_STREAMED``, the picker's front end
+  ``python`` (grpc.aio) or ``native`` (kvgate-epp-front, ``scripts/setup_native.sh``);
 * ``kvgate serve``: the HTTP proxy, one process;
 * ``smg``: SMG (``smg launch``, cache_aware) when its binary is given.
 
@@ -22,7 +23,7 @@ prompt adds <= 20 ms. Needs wrk and nginx (``scripts/setup_bench.sh``), Envoy
 
     python -m benchmarks.epp.throughput [--seconds 5] [--rounds 2] [--big-kb 200]
         [--policy cache_aware] [--smg /work/team/smg-venv/bin/smg] [--modes buffered,duplex]
-        [--py-spy DIR] [--ab "PICKER FLAGS"] [--no-serve]
+        [--frontends python,native] [--py-spy DIR] [--ab "PICKER FLAGS"] [--no-serve]
 
 ``--ab``: each mode's picker runs twice, the second (rows tagged B) with the extra flags,
 interleaved with the rest: an A/B under the same machine load.
@@ -172,6 +173,12 @@ def main() -> int:
         help="also run each mode's picker with these extra flags (rows tagged B), interleaved "
         "with the others: an A/B on the same load",
     )
+    ap.add_argument(
+        "--frontends",
+        default="python,native",
+        help="kvgate epp --frontend values to measure (default python,native; native needs "
+        "scripts/setup_native.sh)",
+    )
     ap.add_argument("--no-serve", action="store_true", help="leave out the kvgate serve row")
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
@@ -198,19 +205,31 @@ def main() -> int:
     try:
         direct = start_direct_envoy(workdir, ports[0])
         targets.append(direct)
+        frontends = [f for f in args.frontends.split(",") if f]
         variants = [("", [])] + ([("B", args.ab.split())] if args.ab is not None else [])
         for mode in modes:
-            for tag, more in variants:
-                key = f"{mode} {tag}".strip()
-                flags = ["--log-level", "warning", "--fallbacks", "0", *more]  # one ip:port
-                epp, grpc_port = start_epp(
-                    workdir, engines, policy=args.policy, name=f"epp-{mode}{tag}", extra=flags
-                )
-                envoy = start_envoy(workdir, mode, grpc_port, name=f"envoy-{mode}{tag}")
-                wait(envoy.epp_healthy, 300, "Envoy sees the picker healthy", epp)
-                t = Target(f"envoy + epp ({key})", envoy.url, procs=[envoy.proc.popen, epp.popen])
-                targets.append(t)
-                epps[key] = t
+            for frontend in frontends:
+                for tag, more in variants:
+                    name = f"{mode}, {frontend}" if len(frontends) > 1 else mode
+                    key = f"{name} {tag}".strip()
+                    flags = ["--log-level", "warning", "--fallbacks", "0"]  # one ip:port
+                    flags += ["--frontend", frontend, *more]
+                    epp, grpc_port = start_epp(
+                        workdir,
+                        engines,
+                        policy=args.policy,
+                        name=f"epp-{mode}-{frontend}{tag}",
+                        extra=flags,
+                    )
+                    envoy = start_envoy(
+                        workdir, mode, grpc_port, name=f"envoy-{mode}-{frontend}{tag}"
+                    )
+                    wait(envoy.epp_healthy, 300, "Envoy sees the picker healthy", epp)
+                    t = Target(
+                        f"envoy + epp ({key})", envoy.url, procs=[envoy.proc.popen, epp.popen]
+                    )
+                    targets.append(t)
+                    epps[key] = t
         if args.ab is not None:
             print(f"B: kvgate epp {args.ab}", file=sys.stderr)
         env = {"KVGATE_LOG_REQUESTS": "false", "KVGATE_POLICY__NAME": args.policy}
@@ -253,15 +272,20 @@ def main() -> int:
         f"interleaved rounds, 2 nginx engines, policy {args.policy}, {os.cpu_count()} cores; "
         f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after"
     )
-    print(f"{'target':<24} {'req/s median':>12} {'min':>8} {'max':>8} {'p50 ms':>7} "
+    print(f"{'target':<32} {'req/s median':>12} {'min':>8} {'max':>8} {'p50 ms':>7} "
           f"{'p99 ms':>7} {'CPU us/req':>10}")  # fmt: skip
     for t in targets:
         print(
-            f"{t.name:<24} {median(t.rps):12,.0f} {min(t.rps):8,.0f} {max(t.rps):8,.0f} "
+            f"{t.name:<32} {median(t.rps):12,.0f} {min(t.rps):8,.0f} {max(t.rps):8,.0f} "
             f"{median(t.p50):7.2f} {median(t.p99):7.2f}"
             + (f" {median(t.cpu_us):10.0f}" if t.cpu_us else f" {'-':>10}")
             + (f"  ({t.failed} failed)" if t.failed else "")
         )
+    for t in targets:
+        if len(t.cpu_split) > 1:
+            parts = sorted(t.cpu_split.items(), key=lambda kv: -median(kv[1]))
+            print(f"  {t.name} CPU us/req by process: "
+                  + ", ".join(f"{name} {median(v):.0f}" for name, v in parts))  # fmt: skip
     by_name = {t.name: t for t in targets}
     for mode, t in epps.items():
         for other in ("smg", "kvgate serve"):
@@ -280,7 +304,7 @@ def main() -> int:
         d50, d99 = median(h.p50) - median(base.p50), median(h.p99) - median(base.p99)
         b50 = median(hb.p50) - median(base_big.p50)
         print(
-            f"{mode:<9} hop p50 +{d50:.3f} ms (target <= {HOP_P50_MS}), p99 +{d99:.3f} ms "
+            f"{mode:<18} hop p50 +{d50:.3f} ms (target <= {HOP_P50_MS}), p99 +{d99:.3f} ms "
             f"(target <= {HOP_P99_MS}); {args.big_kb} KB prompt: p50 +{b50:.3f} ms, p99 "
             f"+{median(hb.p99) - median(base_big.p99):.3f} ms (target <= {BIG_MS}); "
             f"CPU {median(h.cpu_us):.0f} / {median(hb.cpu_us):.0f} us per request"
