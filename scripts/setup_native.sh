@@ -43,6 +43,6 @@ if [ ${#todo[@]} -gt 0 ]; then
   printf '%s\n' "${todo[@]}" | xargs -P "$(nproc)" -I{} sh -c '{}' \
     || { echo "setup_native: compiling failed" >&2; exit 1; }
 fi
-g++ -O2 -o "$OUT" "${objs[@]}" $(pkg-config --libs grpc++ protobuf) -lpthread
+g++ -O2 -o "$OUT" "${objs[@]}" $(pkg-config --libs grpc++ protobuf) -labsl_synchronization -lpthread
 echo "$api" > "$BUILD/api.stamp"
 echo "built $OUT"
