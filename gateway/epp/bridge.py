@@ -170,6 +170,7 @@ class NativeFrontEnd:
         self.pending: dict[int, asyncio.Task[None]] = {}
         """Requests being decided (held ones wait here), by stream id."""
         self._transport: Any = None
+        self._outbox: list[bytes] = []
         self._listening: asyncio.Future[int] | None = None
         self._proc: asyncio.subprocess.Process | None = None
         self._watch: asyncio.Task[None] | None = None
@@ -300,9 +301,21 @@ class NativeFrontEnd:
         if ticket is not None:
             self.tickets[sid] = ticket
         if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(encode_verdict(sid, verdict))
+            self._send(encode_verdict(sid, verdict))
         elif ticket is not None:
             self._close(sid, b"", 0)
+
+    def _send(self, data: bytes) -> None:
+        """Queue a frame; the frames decided in one turn of the loop go in one write (one
+        syscall, one wake-up of the front end's reader)."""
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outbox.append(data)
+
+    def _flush(self) -> None:
+        out, self._outbox = self._outbox, []
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(out[0] if len(out) == 1 else b"".join(out))
 
     def _progress(self, sid: int, progress: tuple[int, int, int, str, bytes, bytes]) -> None:
         flags, status, events, served, head, tail = progress
