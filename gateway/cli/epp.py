@@ -61,7 +61,7 @@ def register(sub: Any) -> None:
         default="python",
         help="who speaks ext_proc: python (grpc.aio in this process, the default) or native "
         "(kvgate-epp-front, C++, built by scripts/setup_native.sh; decisions stay here; about "
-        "2-3x the requests per second)",
+        "1.4-2.1x the requests per second, docs/performance.md)",
     )
     p.add_argument(
         "--loop",
