@@ -17,13 +17,52 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
+from prometheus_client import Counter as _Counter
+from prometheus_client import Histogram as _Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.cluster.breaker import STATE_VALUE
 from gateway.cluster.registry import EngineRegistry, Health
 from gateway.policies.session_affinity import SessionAffinity, SessionOutcome
+
+
+class _MemoLabels:
+    """``labels(*values)`` memoised on the values as given: prometheus_client's own lookup
+    (string conversion, validation, a lock) ran about ten times per request. Bounded by the
+    metric's label cardinality, as its children are."""
+
+    _memo: dict[tuple[object, ...], Any]
+
+    def labels(self, *values: object, **named: object) -> Any:
+        if named or not values:
+            return super().labels(*values, **named)  # type: ignore[misc]
+        try:
+            return self._memo[values]
+        except AttributeError:
+            self._memo = {}
+        except KeyError:
+            pass
+        child = self._memo[values] = super().labels(*values)  # type: ignore[misc]
+        return child
+
+    def remove(self, *values: object) -> None:
+        self.__dict__.pop("_memo", None)
+        super().remove(*values)  # type: ignore[misc]
+
+    def clear(self) -> None:
+        self.__dict__.pop("_memo", None)
+        super().clear()  # type: ignore[misc]
+
+
+class Counter(_MemoLabels, _Counter):
+    """A Prometheus counter whose ``labels()`` is memoised."""
+
+
+class Histogram(_MemoLabels, _Histogram):
+    """A Prometheus histogram whose ``labels()`` is memoised."""
+
 
 _LATENCY_BUCKETS = (
     0.005,

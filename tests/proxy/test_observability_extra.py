@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.cluster.registry import EngineRegistry
 from gateway.core.types import EngineRole
-from gateway.observability import GatewayMetrics
+from gateway.observability import Counter, GatewayMetrics
 
 P, D1, D2 = "http://p:1", "http://d1:1", "http://d2:1"
 
@@ -50,3 +50,18 @@ def test_engine_info_carries_each_engines_role() -> None:
     assert "# TYPE kvgate_engine_info gauge" in text
     engines.remove(D1)
     assert value("kvgate_engine_info", {"engine": D1, "role": "decode"}) is None
+
+
+def test_memoised_labels_count_into_the_exported_series() -> None:
+    registry = CollectorRegistry()
+    c = Counter("kvgate_t", "t", ["route", "outcome"], registry=registry)
+    assert c.labels("chat", "ok") is c.labels("chat", "ok")  # one child per label values
+    c.labels("chat", "ok").inc()
+    c.labels(route="chat", outcome="ok").inc()  # by name: the same series
+    c.labels("chat", "error").inc(2)
+    text = generate_latest(registry).decode()
+    assert 'kvgate_t_total{outcome="ok",route="chat"} 2.0' in text
+    assert 'kvgate_t_total{outcome="error",route="chat"} 2.0' in text
+    c.remove("chat", "ok")  # a removed series starts again from zero, not from a stale child
+    c.labels("chat", "ok").inc()
+    assert 'kvgate_t_total{outcome="ok",route="chat"} 1.0' in generate_latest(registry).decode()
