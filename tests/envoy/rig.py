@@ -39,6 +39,9 @@ MODES = {
         "TRAILER_MODE": "SEND",
     },
 }
+FRONTENDS = ("python", "native")
+"""``kvgate epp --frontend``: grpc.aio in the picker, or kvgate-epp-front (C++;
+scripts/setup_native.sh builds it, scripts/test.sh runs that first)."""
 
 
 def envoy_binary() -> Path:

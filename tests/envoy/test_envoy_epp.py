@@ -21,18 +21,13 @@ from openai import APIStatusError, OpenAI
 
 from gateway.cli.demo import free_port
 from tests.e2e.procs import MODEL, Proc, start_emulator, wait_for
-from tests.envoy.rig import MODES, Envoy, start_envoy, start_epp, wait
+from tests.envoy.rig import FRONTENDS, MODES, Envoy, start_envoy, start_epp, wait
 from tests.promtext import sample_sum
 
 pytestmark = [pytest.mark.envoy, pytest.mark.e2e]
 
 EPP_FLAGS: list[str] = ["--fallbacks", "0"]
 PREFIX = "kvgate envoy tier shared system prompt: answer tersely, cite nothing. " * 40
-
-
-FRONTENDS = ("python", "native")
-"""``kvgate epp --frontend``: grpc.aio in the picker, or kvgate-epp-front (C++;
-scripts/setup_native.sh builds it, scripts/test.sh runs that first)."""
 
 
 @dataclass

@@ -30,7 +30,7 @@ from gateway.cli.demo import free_port
 from gateway.policies.recording import Call, replay
 from gateway.policies.recording_codec import decode_call, decode_spec
 from tests.e2e.procs import MODEL, Proc, start, start_emulator, wait_for
-from tests.envoy.rig import MODES, start_envoy, start_epp, wait
+from tests.envoy.rig import FRONTENDS, MODES, start_envoy, start_epp, wait
 from tests.promtext import sample_sum
 
 pytestmark = [pytest.mark.envoy, pytest.mark.e2e]
@@ -99,8 +99,9 @@ def fetch_log(url: str) -> tuple[dict[str, Any], list[Call]]:
                 return page["spec"], calls
 
 
-def run(logdir: Path, front: str) -> Run:
-    """The arrivals through ``front`` ("serve" or an Envoy body mode) on fresh engines."""
+def run(logdir: Path, front: str, frontend: str = "python") -> Run:
+    """The arrivals through ``front`` ("serve" or an Envoy body mode, the picker's ext_proc
+    served by ``frontend``) on fresh engines."""
     ports = [free_port() for _ in range(ENGINES)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     record = logdir / f"{front}.jsonl"
@@ -130,7 +131,8 @@ def run(logdir: Path, front: str) -> Run:
             base = metrics = gw.url
         else:
             epp, grpc = start_epp(logdir, [], policy=POLICY, config=config, name=f"epp-{front}",
-                                  extra=["--log-level", "warning", *EPP_FLAGS])  # fmt: skip
+                                  extra=["--log-level", "warning", "--frontend", frontend,
+                                         *EPP_FLAGS])  # fmt: skip
             procs.append(epp)
             envoy = start_envoy(logdir, front, grpc, name=f"envoy-{front}")
             procs.append(envoy.proc)
@@ -156,9 +158,11 @@ def serve_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return run(tmp_path_factory.mktemp("parity-serve"), "serve")
 
 
-@pytest.fixture(scope="module", params=sorted(MODES))
+@pytest.fixture(scope="module", params=[(m, f) for m in sorted(MODES) for f in FRONTENDS],
+                ids="-".join)  # fmt: skip
 def epp_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return run(tmp_path_factory.mktemp(f"parity-{request.param}"), request.param)
+    mode, frontend = request.param
+    return run(tmp_path_factory.mktemp(f"parity-{mode}-{frontend}"), mode, frontend)
 
 
 def decisions(r: Run) -> list[tuple[Any, ...]]:
