@@ -12,7 +12,7 @@ docs/evaluation.md (small, overloaded pools) quotes this command.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import cast
+from typing import Any, cast
 
 from benchmarks.common import benchmark_parser
 from benchmarks.quality.diagnose import parse_policy
@@ -77,6 +77,13 @@ class SteeringLog(PredictedTtftPolicy):
         return decision
 
 
+def parse_option(default: Any, text: str) -> Any:
+    """``text`` as the type of the knob's ``default`` (``false`` is a bool's False)."""
+    if isinstance(default, bool):
+        return text.strip().lower() in ("1", "true", "yes", "on")
+    return type(default)(text)
+
+
 def main() -> None:
     ap = benchmark_parser(__doc__, "benchmarks.quality.steering")
     ap.add_argument("workload")
@@ -92,7 +99,7 @@ def main() -> None:
     wl = wl.head(args.requests).scaled(args.scale)
     cluster = ClusterSpec(args.instances, load_preset(args.preset))
     _, opts = parse_policy("x:" + args.options) if args.options else ("", None)
-    kw = {k: type(getattr(PredictedTtftConfig(), k))(v) for k, v in (opts or {}).items()}
+    kw = {k: parse_option(getattr(PredictedTtftConfig(), k), v) for k, v in (opts or {}).items()}
     ctx = PolicyContext(seed=args.seed, block_size=wl.block_size, perf=cluster.perf)
     policy = SteeringLog(ctx, PredictedTtftConfig(**kw))
     policy.margin = args.margin

@@ -278,3 +278,28 @@ def test_the_admission_wait_is_zero_while_the_request_fits() -> None:
     step = PERF.decode_step_time(10, used)
     assert admission_wait_s(PERF, full, 8_000, 256) == pytest.approx(128 * step)
     assert admission_wait_s(PERF, full, 8_000, 512) == pytest.approx(256 * step)
+
+
+@pytest.mark.parametrize(("after_prefill", "expected"), [(True, "e0"), (False, "e1")])
+def test_a_miss_is_not_tpot_feasible_where_its_prefill_would_slow_the_decodes_past_target(
+    after_prefill: bool, expected: str
+) -> None:
+    """Both engines run 4 decodes and recently spent about a third of their steps on prefill.
+    e0 holds the document, predicted at ~0.108 s per token (duty 0.35), just past the 0.1 s
+    target; e1 at ~0.097 s (duty 0.30). A question on e1 re-prefills the 8,000-token document
+    (~1 s more prefill than on e0), which raises e1's duty to ~0.4 and its decodes to ~0.12 s
+    per token: judged with that prefill (``tpot_after_prefill``) neither engine is
+    TPOT-feasible and the cheaper hit on e0 wins; judged without it, the filter sends the
+    question to e1 and its re-prefill. (8 A6000 engines, ``gen:long_doc_qa?docs=100`` at
+    22 req/s: hit 0.83 -> 0.92.)"""
+    policy, d = make(tpot_after_prefill=after_prefill)
+    warm(d, req("w", DOC), "e0", 2)
+    policy.routed_work.add("e0", 3.5, 60.0)  # the prefill routed there over the last ~10 s
+    policy.routed_work.add("e1", 3.0, 60.0)
+    v = view(ev(0, num_running=4), ev(1, num_running=4))
+    q = req("q", (*DOC, 7), out=40)
+    rows = {p.engine.id: p for p in policy.predict(q, v, 60.0)}
+    limit = q.slo.tpot_s
+    assert rows["e0"].tpot_s > limit >= rows["e1"].tpot_s  # the premise
+    assert (rows["e1"].tpot_after_s > limit) == after_prefill
+    assert d.route(q, v, 60.0).engine == expected
