@@ -20,11 +20,13 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import httpx
 import pytest
-from conftest import MODEL, Engine, Fleet, Gateway, start_gateway
+from conftest import BLOCK, MODEL, Engine, Fleet, Gateway, start_gateway
 from fidelity_lib import WORDS
 from openai import OpenAI
 
+from tests.promtext import sample_sum
 from tests.replicas.services import (
     Service,
     binary,
@@ -76,6 +78,14 @@ def replicas(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator
                 svc.stop()
 
 
+def question(tag: str, q: int, d: int) -> str:
+    """A question of over two KV blocks: the request stores at least one new block, so the
+    engine publishes KV events for every request (a shorter one may fit a partial block)."""
+    rng = random.Random(f"{tag}:{d}:q{q}")
+    words = " ".join(rng.choice(WORDS) for _ in range(2 * BLOCK + 8))
+    return f"question {q} about document {d}: {words}?"
+
+
 def document(tag: str, d: int) -> str:
     rng = random.Random(f"{tag}:{d}")
     return f"[{tag}:{d}] " + " ".join(rng.choice(WORDS) for _ in range(DOC_WORDS))
@@ -102,20 +112,44 @@ def engine_counters(engines: list[Engine]) -> tuple[float, float]:
     )
 
 
-def measure(url: str, engines: list[Engine]) -> Run:
-    """Every document's question q, then every document's q+1, ... (one request at a time)."""
+def event_batches(gateways: list[Gateway]) -> list[float]:
+    """KV event batches each replica has taken from the engines (each subscribes to all)."""
+    return [
+        sample_sum(httpx.get(gw.url + "/metrics", timeout=5).text, "kvgate_kv_event_batches_total")
+        for gw in gateways
+    ]
+
+
+def events_delivered(gateways: list[Gateway], before: list[float]) -> None:
+    """Wait until every replica has taken the same number of new event batches since
+    ``before``, at least one per request of the wave: each request, sent alone, stores new
+    blocks (its question is :func:`question`), and the engine publishes one batch per step."""
+    deadline = time.monotonic() + 10
+    while True:
+        now = event_batches(gateways)
+        new = {round(b - a) for a, b in zip(before, now, strict=True)}
+        if len(new) == 1 and min(new) >= DOCS:
+            return
+        assert time.monotonic() < deadline, f"KV event batches before {before}, now {now}"
+        time.sleep(0.02)
+
+
+def measure(url: str, engines: list[Engine], gateways: list[Gateway]) -> Run:
+    """Every document's question q, then every document's q+1, ... (one request at a time);
+    a wave's KV events reach every replica before the next wave starts."""
     oa = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
     tag = uuid.uuid4().hex[:8]  # fresh documents: nothing of them is cached yet
     hits0, queries0 = engine_counters(engines)
     answers = []
     for q in range(QUESTIONS):
+        before = event_batches(gateways)
         for d in range(DOCS):
             raw = oa.chat.completions.with_raw_response.create(
                 model=MODEL,
                 max_tokens=2,
                 messages=[
                     {"role": "system", "content": document(tag, d)},
-                    {"role": "user", "content": f"question {q} about document {d}?"},
+                    {"role": "user", "content": question(tag, q, d)},
                 ],
             )
             r = raw.parse()
@@ -128,7 +162,7 @@ def measure(url: str, engines: list[Engine]) -> Run:
                     r.usage.prompt_tokens_details.cached_tokens or 0,
                 )
             )
-        time.sleep(0.2)  # the wave's KV events reach every replica (they take milliseconds)
+        events_delivered(gateways, before)
     hits, queries = engine_counters(engines)
     oa.close()
     return Run((hits - hits0) / (queries - queries0), answers)
@@ -137,8 +171,9 @@ def measure(url: str, engines: list[Engine]) -> Run:
 def test_three_replicas_reuse_the_real_engines_cache_as_one_does(
     fleet: Fleet, replicas: Replicas
 ) -> None:
-    one = measure(replicas.gateways[0].url, fleet.unified)  # one replica alone (peers idle)
-    three = measure(replicas.haproxy.url, fleet.unified)  # round robin over three
+    gws = replicas.gateways
+    one = measure(gws[0].url, fleet.unified, gws)  # one replica alone (peers idle)
+    three = measure(replicas.haproxy.url, fleet.unified, gws)  # round robin over three
     seen_by = [len({a.replica for a in three.answers if a.doc == d}) for d in range(DOCS)]
     first = {a.doc: a.engine for a in three.answers[:DOCS]}
     print(
