@@ -249,3 +249,5 @@ class Ledger:
             usage=b"" if released else ticket.tail,
             finish_policy=ticket.primary,
         )
+        if ex.trace is not None:  # the request's span ends with its accounting
+            ex.trace.close(ticket.status or None)

@@ -41,6 +41,8 @@ class Pick:
     prefill: EngineState | None = None
     prefill_address: str = ""
     hit_tokens: int = 0
+    reason: str | None = None
+    """The policy's reason for the pick (as in ``kvgate_routing_decisions_total``)."""
 
     @property
     def destination(self) -> str:
@@ -114,7 +116,7 @@ class Picker:
         if engine is None:  # pragma: no cover - removed between view and decision
             s.dispatcher.finished(ex.info, engine_id, s.clock(), ok=False)
             raise ApiError(503, "the chosen engine left the fleet", headers={"Retry-After": "1"})
-        pick = Pick(engine, self.address(engine), hit_tokens=hit)
+        pick = Pick(engine, self.address(engine), hit_tokens=hit, reason=decision.reason)
         if decision.prefill_engine is not None:
             prefill = s.registry.get(decision.prefill_engine)
             if prefill is not None:

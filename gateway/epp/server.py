@@ -15,7 +15,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import httpx
@@ -31,6 +31,10 @@ from .bridge import NativeFrontEnd, find_binary
 from .health import Health
 from .picker import Picker
 from .stream import StreamHandler
+from .tracing import PickTracing
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 log = logging.getLogger("kvgate.epp")
 
@@ -92,6 +96,7 @@ class EppServer:
         options: EppOptions,
         *,
         transport: httpx.AsyncBaseTransport | None = None,
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
         self.settings = settings
         self.options = options
@@ -99,7 +104,11 @@ class EppServer:
         self.picker = Picker(self.service, fallbacks=options.fallbacks)
         release = options.release_after_s or settings.timeouts.read_s
         self.ledger = Ledger(self.service, self.picker, release_after_s=release)
-        self.handler = StreamHandler(self.service, self.picker, self.ledger)
+        self.tracing = (
+            PickTracing(settings.tracing, tracer_provider) if settings.tracing.enabled else None
+        )
+        """Spans per routed request (``tracing.enabled``); ``tracer_provider``: a caller's."""
+        self.handler = StreamHandler(self.service, self.picker, self.ledger, tracing=self.tracing)
         self.health = Health()
         self.port = 0
         """The gRPC port bound (``options.port``, or the one the OS chose for 0)."""
@@ -216,3 +225,5 @@ class EppServer:
             await asyncio.to_thread(thread.join, 5)
             self._metrics = None
         await self.service.stop()
+        if self.tracing is not None:
+            self.tracing.shutdown()  # flushes the spans still queued

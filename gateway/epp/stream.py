@@ -47,6 +47,7 @@ from gateway.proxy.service import RoutingService
 from . import protocol as p
 from .accounting import Ledger, Ticket
 from .picker import Picker
+from .tracing import PickTracing
 
 log = logging.getLogger("kvgate.epp")
 
@@ -95,10 +96,19 @@ def _client(headers: Mapping[str, str]) -> tuple[str, int] | None:
 class StreamHandler:
     """Turns one stream's ProcessingRequests into ProcessingResponses."""
 
-    def __init__(self, service: RoutingService, picker: Picker, ledger: Ledger) -> None:
+    def __init__(
+        self,
+        service: RoutingService,
+        picker: Picker,
+        ledger: Ledger,
+        *,
+        tracing: PickTracing | None = None,
+    ) -> None:
         self.service = service
         self.picker = picker
         self.ledger = ledger
+        self.tracing = tracing
+        """Spans per routed request (:mod:`gateway.epp.tracing`); None: tracing off."""
 
     async def run(self, requests: AsyncIterator[Any], context: Any = None) -> AsyncIterator[Any]:
         """``ExternalProcessor.Process``: one stream's answers, in order."""
@@ -215,17 +225,30 @@ class StreamHandler:
             return self._passthrough(subset), None
         endpoint, response_id = found
         ex: Exchange | None = None
+        trace = self.tracing.begin(headers, method, endpoint.path, path) if self.tracing else None
         try:
             admit(s, endpoint.route, client_credentials(headers), _client(headers))  # type: ignore[arg-type]
             ex = await build_exchange(s, endpoint, headers, raw, started, response_id=response_id)
+            if trace is not None:
+                ex.trace = trace
+                trace.request(ex)
             pick = await self.picker.pick(ex, subset)
         except ApiError as exc:
             if ex is not None and s.recorder is not None:
                 s.recorder.record(ex, ok=False, outcome=f"rejected_{exc.status}", output=None)
+            if trace is not None:
+                trace.close(exc.status)
             return refusal(exc, endpoint), None
+        except BaseException:  # the stream closed while the request waited, or a defect
+            if trace is not None:
+                trace.close(None)
+            raise
         ticket = self.ledger.opened(ex, pick)
         ex.raw, ex.body = b"", None  # the ticket lives until the response ends: not the body
         set_headers = {p.DESTINATION: pick.destination, p.REQUEST_ID: ex.request_id}
+        if trace is not None:  # the engine's spans become children of the picker's
+            trace.decided(s.policy_name, pick.reason, pick.engine.id, pick.hit_tokens, ex.pd_reason)
+            set_headers.update(trace.headers({}))
         remove: list[str] = []
         if pick.prefill is not None:
             set_headers[p.PREFILLER] = pick.prefill_address

@@ -73,6 +73,10 @@ class RequestTrace(Protocol):
     def finished(self, ex: TracedExchange, outcome: str) -> None:
         """An engine answered the request (``outcome`` as in kvgate_requests_total)."""
 
+    def close(self, status: int | None) -> None:
+        """The request is over (``status``: the client's HTTP status; None: no response):
+        any call still open, then the request's own span, end."""
+
 
 current_request: ContextVar[RequestTrace | None] = ContextVar("kvgate_request_trace", default=None)
 

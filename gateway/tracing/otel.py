@@ -19,7 +19,7 @@ dropped and counted by the SDK), exported over OTLP gRPC or HTTP.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from opentelemetry.context import Context
@@ -42,7 +42,13 @@ from gateway.tracing.config import TracingConfig
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["OtelRequestTrace", "OtelTracing", "TracingMiddleware", "build_provider"]
+__all__ = [
+    "OtelRequestTrace",
+    "OtelTracing",
+    "TracingMiddleware",
+    "build_provider",
+    "server_trace",
+]
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _CONTEXT_HEADERS = frozenset({"traceparent", "tracestate"})
@@ -189,7 +195,28 @@ class OtelRequestTrace(RequestTrace):
             self.end_leg(error="cancelled")
         if status is None:
             self.server.set_status(Status(StatusCode.ERROR, "no response"))
+        else:
+            self.server.set_attribute("http.response.status_code", status)
+            current = getattr(self.server, "status", None)  # an SDK span's; kept when set
+            if status >= 500 and current is not None and current.status_code is StatusCode.UNSET:
+                self.server.set_status(Status(StatusCode.ERROR))
         self.server.end()
+
+
+def server_trace(
+    tracing: OtelTracing, headers: Mapping[str, str], method: str, route: str, path: str
+) -> OtelRequestTrace:
+    """A request's SERVER span, the child of the client's ``traceparent`` in ``headers``
+    (lower-case names) when it sent a valid one, else the root of a new trace."""
+    carrier = {k: v for k, v in headers.items() if k in _CONTEXT_HEADERS}
+    parent = _PROPAGATOR.extract(carrier) if carrier else None
+    span = tracing.tracer.start_span(
+        f"{method} {route}",
+        context=parent,
+        kind=SpanKind.SERVER,
+        attributes={"http.request.method": method, "http.route": route, "url.path": path},
+    )
+    return OtelRequestTrace(tracing.tracer, span)
 
 
 class TracingMiddleware:
@@ -212,19 +239,8 @@ class TracingMiddleware:
             name = key.decode("latin-1").lower()
             if name in _CONTEXT_HEADERS:
                 carrier[name] = value.decode("latin-1")
-        parent = _PROPAGATOR.extract(carrier) if carrier else None
-        method = scope["method"]
-        span = self.tracing.tracer.start_span(
-            f"{method} {route}",
-            context=parent,
-            kind=SpanKind.SERVER,
-            attributes={
-                "http.request.method": method,
-                "http.route": route,
-                "url.path": scope["path"],
-            },
-        )
-        trace = OtelRequestTrace(self.tracing.tracer, span)
+        trace = server_trace(self.tracing, carrier, scope["method"], route, scope["path"])
+        span = trace.server
         token = current_request.set(trace)
         status: int | None = None
 

@@ -81,12 +81,13 @@ async def picker(
     engines: list[dict[str, Any]],
     *,
     options: EppOptions | None = None,
+    tracer_provider: Any = None,
     **settings: Any,
 ) -> AsyncIterator[EppServer]:
     """A started :class:`EppServer` on a free port (no /metrics port)."""
     cfg = load_settings(engines=engines, log_requests=False, **settings)
     options = replace(options or EppOptions(port=0, metrics_port=None), frontend=FRONTEND)
-    server = EppServer(cfg, options, transport=transport)
+    server = EppServer(cfg, options, transport=transport, tracer_provider=tracer_provider)
     await server.start()
     try:
         yield server
