@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -42,6 +43,15 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
+
+
+_NO_FRAMEWORK_TELEMETRY: dict[str, Any] = (
+    {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters
+    else {}
+)
+"""FastAPI's own OpenTelemetry (0.165 and later) off: kvgate's spans and metrics are its own
+(``gateway.tracing``), and FastAPI's looked up the global providers on every request."""
 
 
 def create_app(
@@ -97,6 +107,7 @@ def create_app(
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
+        **_NO_FRAMEWORK_TELEMETRY,
     )
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     install_handlers(app)

@@ -164,6 +164,47 @@ asyncio.run(main())
     assert "LOADED []" in out.stdout, out.stdout
 
 
+def test_fastapis_own_telemetry_is_off_even_with_a_global_tracer_provider() -> None:
+    """FastAPI 0.165+ traces every request itself once a global tracer provider is set (an
+    ``opentelemetry-instrument`` launch does that); kvgate's spans are its own, so the gateway
+    app turns FastAPI's off: a request makes no span (a fresh interpreter: the global provider
+    cannot be unset)."""
+    code = """
+import asyncio, httpx
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from gateway.config import load_settings
+from gateway.proxy.app import create_app
+from tests.proxy.fake_engines import FakeCluster, FakeEngine
+
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)
+
+async def main():
+    e = FakeEngine("http://e0:8000")
+    app = create_app(load_settings(engines=[{"url": e.url}]),
+                     transport=FakeCluster(e).transport())
+    async with app.router.lifespan_context(app):
+        t = httpx.ASGITransport(app=app, client=("127.0.0.1", 5000))
+        async with httpx.AsyncClient(transport=t, base_url="http://gw") as c:
+            r = await c.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+    assert r.status_code == 200, r.text
+    print("SPANS", [s.name for s in exporter.get_finished_spans()])
+
+asyncio.run(main())
+"""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "SPANS []" in out.stdout, out.stdout
+
+
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_the_otlp_exporter_of_each_protocol_is_built(protocol: str) -> None:
     """What ``kvgate serve`` builds with tracing on: the SDK, its batch processor and the OTLP
