@@ -5,10 +5,12 @@ load generator drives (their processes started, waited for, measured and stopped
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
 from argparse import ArgumentParser, Namespace, RawDescriptionHelpFormatter
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,3 +196,29 @@ def start_smg(binary: str, engines: list[str], workdir: Path) -> Target | None:
     t.procs.append(spawn(cmd, workdir / "smg.log"))
     wait_ready(t.url, "/health", t.procs[0])
     return t
+
+
+def start_py_spy(
+    folder: Path, mode: str, pid: int, seconds: float, native: bool = False
+) -> subprocess.Popen[bytes]:
+    folder.mkdir(parents=True, exist_ok=True)
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    out = folder / f"epp-{mode}.txt"
+    cmd = [spy, "record", "--format", "raw", "--rate", "200", "--duration", f"{seconds:.0f}"]
+    cmd += ["--pid", str(pid), "--output", str(out)]
+    # native: C frames too (gRPC's core, the Cython layer), each thread apart; py-spy then
+    # pauses the picker for each sample, which costs it throughput
+    cmd += ["--native", "--threads"] if native else ["--nonblocking"]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def top_functions(path: Path, n: int = 12) -> list[tuple[float, str]]:
+    """From py-spy's collapsed stacks: the share of samples each function is on the stack."""
+    total, seen = 0, Counter[str]()
+    for line in path.read_text(encoding="utf-8").splitlines():
+        stack, _, count = line.rpartition(" ")
+        k = int(count)
+        total += k
+        for frame in set(stack.split(";")):
+            seen[frame.split(" (")[0] + " " + frame.rsplit("/", 1)[-1].split(":")[0]] += k
+    return [(c / total, f) for f, c in seen.most_common(n)] if total else []

@@ -38,7 +38,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +47,10 @@ from benchmarks.common import (
     Target,
     benchmark_parser,
     spawn,
+    start_py_spy,
     start_smg,
     stop_processes,
+    top_functions,
     wait_ready,
 )
 from benchmarks.epp.wrk import post_script, wrk
@@ -101,32 +102,6 @@ def start_direct_envoy(workdir: Path, engine_port: int) -> Target:
     proc = spawn(cmd, workdir / "envoy-direct.log")
     wait_ready(f"http://127.0.0.1:{admin}", "/ready", proc)
     return Target("envoy -> engine", f"http://127.0.0.1:{port}", procs=[proc])
-
-
-def start_py_spy(
-    folder: Path, mode: str, pid: int, seconds: float, native: bool = False
-) -> subprocess.Popen[bytes]:
-    folder.mkdir(parents=True, exist_ok=True)
-    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    out = folder / f"epp-{mode}.txt"
-    cmd = [spy, "record", "--format", "raw", "--rate", "200", "--duration", f"{seconds:.0f}"]
-    cmd += ["--pid", str(pid), "--output", str(out)]
-    # native: C frames too (gRPC's core, the Cython layer), each thread apart; py-spy then
-    # pauses the picker for each sample, which costs it throughput
-    cmd += ["--native", "--threads"] if native else ["--nonblocking"]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def top_functions(path: Path, n: int = 12) -> list[tuple[float, str]]:
-    """From py-spy's collapsed stacks: the share of samples each function is on the stack."""
-    total, seen = 0, Counter[str]()
-    for line in path.read_text(encoding="utf-8").splitlines():
-        stack, _, count = line.rpartition(" ")
-        k = int(count)
-        total += k
-        for frame in set(stack.split(";")):
-            seen[frame.split(" (")[0] + " " + frame.rsplit("/", 1)[-1].split(":")[0]] += k
-    return [(c / total, f) for f, c in seen.most_common(n)] if total else []
 
 
 def big_prompt(kb: int, seed: int = 7) -> str:

@@ -49,8 +49,10 @@ from benchmarks.common import (
     Target,
     benchmark_parser,
     spawn,
+    start_py_spy,
     start_smg,
     stop_processes,
+    top_functions,
     wait_ready,
 )
 from gateway.cli.demo import free_port
@@ -156,6 +158,9 @@ def main() -> int:
         "--no-sync", action="store_true", help="no NATS load sync between workers/replicas"
     )
     ap.add_argument("--smg", default="/work/team/smg-venv/bin/smg", help="SMG's binary")
+    ap.add_argument(
+        "--py-spy", metavar="DIR", help="profile the one-process kvgate in round 1 (py-spy)"
+    )
     args = ap.parse_args()
     for tool in ("wrk", "nginx", "haproxy"):
         if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
@@ -211,10 +216,15 @@ def main() -> int:
         for t in targets:  # warm-up: connections, caches
             run_wrk(t.url + "/v1/completions", 2, script)
         load_before = os.getloadavg()
-        for _ in range(args.rounds):
+        for rnd in range(args.rounds):
             for t in targets:
                 url = t.url + "/v1/completions"
+                spy = None
+                if args.py_spy and rnd == 0 and t.name == "kvgate":
+                    spy = start_py_spy(Path(args.py_spy), "serve", t.procs[0].pid, args.seconds)
                 t.measure(args.seconds, partial(run_wrk, url, args.seconds, script))
+                if spy is not None:
+                    spy.wait()
         load_after = os.getloadavg()
     finally:
         owned = [p for t in targets for p in t.procs if not any(p is s.proc for s in services)]
@@ -260,6 +270,11 @@ def main() -> int:
                 f"{statistics.median(ratios):.2f} (target >= {TARGET_RATIO}, ratio "
                 f"{statistics.median(ratios) / TARGET_RATIO:.2f})"
             )
+    spied = Path(args.py_spy) / "epp-serve.txt" if args.py_spy else None
+    if spied is not None and spied.exists():
+        print("\npy-spy, kvgate (one process), share of samples with the function on the stack:")
+        for share, fn in top_functions(spied, 40)[8:]:  # past the event loop and uvicorn's frames
+            print(f"  {share:6.1%}  {fn}")
     return 1 if any(t.failed for t in targets) else 0
 
 
