@@ -199,7 +199,7 @@ def start_smg(binary: str, engines: list[str], workdir: Path) -> Target | None:
 
 
 def start_py_spy(
-    folder: Path, mode: str, pid: int, seconds: float, native: bool = False
+    folder: Path, mode: str, pid: int, seconds: float, native: bool = False, blocking: bool = False
 ) -> subprocess.Popen[bytes]:
     folder.mkdir(parents=True, exist_ok=True)
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
@@ -208,7 +208,8 @@ def start_py_spy(
     cmd += ["--pid", str(pid), "--output", str(out)]
     # native: C frames too (gRPC's core, the Cython layer), each thread apart; py-spy then
     # pauses the picker for each sample, which costs it throughput
-    cmd += ["--native", "--threads"] if native else ["--nonblocking"]
+    # blocking: exact stacks, at the cost of pausing the process for each sample
+    cmd += ["--native", "--threads"] if native else [] if blocking else ["--nonblocking"]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

@@ -159,7 +159,7 @@ def main() -> int:
     )
     ap.add_argument("--smg", default="/work/team/smg-venv/bin/smg", help="SMG's binary")
     ap.add_argument(
-        "--py-spy", metavar="DIR", help="profile the one-process kvgate in round 1 (py-spy)"
+        "--py-spy", metavar="DIR", help="profile the one-process kvgate in a run after the rounds"
     )
     args = ap.parse_args()
     for tool in ("wrk", "nginx", "haproxy"):
@@ -216,15 +216,16 @@ def main() -> int:
         for t in targets:  # warm-up: connections, caches
             run_wrk(t.url + "/v1/completions", 2, script)
         load_before = os.getloadavg()
-        for rnd in range(args.rounds):
+        for _ in range(args.rounds):
             for t in targets:
                 url = t.url + "/v1/completions"
-                spy = None
-                if args.py_spy and rnd == 0 and t.name == "kvgate":
-                    spy = start_py_spy(Path(args.py_spy), "serve", t.procs[0].pid, args.seconds)
                 t.measure(args.seconds, partial(run_wrk, url, args.seconds, script))
-                if spy is not None:
-                    spy.wait()
+        if args.py_spy:  # one more run, not measured: py-spy pauses the process per sample
+            one = next(t for t in targets if t.name == "kvgate")
+            spy = start_py_spy(Path(args.py_spy), "serve", one.procs[0].pid, args.seconds,
+                               blocking=True)  # fmt: skip
+            run_wrk(one.url + "/v1/completions", args.seconds, script)
+            spy.wait()
         load_after = os.getloadavg()
     finally:
         owned = [p for t in targets for p in t.procs if not any(p is s.proc for s in services)]
@@ -273,7 +274,7 @@ def main() -> int:
     spied = Path(args.py_spy) / "epp-serve.txt" if args.py_spy else None
     if spied is not None and spied.exists():
         print("\npy-spy, kvgate (one process), share of samples with the function on the stack:")
-        for share, fn in top_functions(spied, 40)[8:]:  # past the event loop and uvicorn's frames
+        for share, fn in top_functions(spied, 40)[10:]:  # past the event loop's, uvicorn's frames
             print(f"  {share:6.1%}  {fn}")
     return 1 if any(t.failed for t in targets) else 0
 
