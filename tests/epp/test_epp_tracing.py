@@ -9,6 +9,8 @@ Refusals are spans too; with tracing off the picker sets no trace header.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -16,7 +18,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from tests.epp.harness import MODEL, FakeEnvoy, fleet, picker
+from gateway.epp import EppServer
+from tests.epp.harness import MODEL, FakeEnvoy, FleetTransport, fleet, picker
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there " * 40}]}
 CLIENT_TRACE, CLIENT_SPAN = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
@@ -28,6 +31,24 @@ def traced() -> tuple[TracerProvider, InMemorySpanExporter]:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     return provider, exporter
+
+
+@asynccontextmanager
+async def traced_picker(
+    *roles: str,
+) -> AsyncIterator[tuple[EppServer, FleetTransport, list[str], InMemorySpanExporter]]:
+    """A picker with tracing on, exporting to memory, over emulated engines of ``roles``."""
+    provider, exporter = traced()
+    async with (
+        fleet(*roles) as (transport, urls),
+        picker(
+            transport,
+            [{"url": u} for u in urls],
+            tracing={"enabled": True},
+            tracer_provider=provider,
+        ) as server,
+    ):
+        yield server, transport, urls, exporter
 
 
 async def ended(exporter: InMemorySpanExporter, n: int) -> tuple[ReadableSpan, ...]:
@@ -43,16 +64,7 @@ async def ended(exporter: InMemorySpanExporter, n: int) -> tuple[ReadableSpan, .
 
 @pytest.mark.parametrize("mode", ["buffered", "duplex"])
 async def test_a_routed_request_is_one_span_in_the_clients_trace(mode: str) -> None:
-    provider, exporter = traced()
-    async with (
-        fleet("both", "both") as (transport, urls),
-        picker(
-            transport,
-            [{"url": u} for u in urls],
-            tracing={"enabled": True},
-            tracer_provider=provider,
-        ) as server,  # fmt: skip
-    ):
+    async with traced_picker("both", "both") as (server, transport, _, exporter):
         envoy = FakeEnvoy(server, transport)
         out = await envoy.send("/v1/chat/completions", {**CHAT, "max_tokens": 2},
                                mode=mode, headers=CLIENT)  # fmt: skip
@@ -77,16 +89,7 @@ async def test_a_routed_request_is_one_span_in_the_clients_trace(mode: str) -> N
 
 
 async def test_a_refused_request_is_a_span_with_its_status() -> None:
-    provider, exporter = traced()
-    async with (
-        fleet("both") as (transport, urls),
-        picker(
-            transport,
-            [{"url": u} for u in urls],
-            tracing={"enabled": True},
-            tracer_provider=provider,
-        ) as server,  # fmt: skip
-    ):
+    async with traced_picker("both") as (server, transport, urls, exporter):
         envoy = FakeEnvoy(server, transport)
         transport.down.add(urls[0].removeprefix("http://"))  # health will take it out
         server.service.registry.mark_failure(urls[0], "down", server.service.clock())

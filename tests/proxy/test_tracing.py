@@ -73,6 +73,16 @@ def parent_in(headers: dict[str, str]) -> tuple[int, int]:
     return int(trace_id, 16), int(span_id, 16)
 
 
+def run_fresh(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter at the repository's root (exit status 0 asserted)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
 # -- tracing off: the client's trace context is forwarded unchanged ---------------------------
 @pytest.mark.parametrize("stream", [False, True])
 async def test_trace_headers_reach_both_pd_legs_unchanged_with_tracing_off(stream: bool) -> None:
@@ -156,11 +166,7 @@ async def main():
 
 asyncio.run(main())
 """
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_fresh(code)
     assert "LOADED []" in out.stdout, out.stdout
 
 
@@ -197,11 +203,7 @@ async def main():
 
 asyncio.run(main())
 """
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_fresh(code)
     assert "SPANS []" in out.stdout, out.stdout
 
 
