@@ -1,0 +1,54 @@
+"""benchmarks.quality.samples: how samples are drawn and how their ratios are summed up."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from benchmarks.quality import samples
+
+
+def _trace(path: Path, n: int) -> str:
+    lines = [
+        {"timestamp": 1000 + 250 * i, "input_length": 600, "output_length": 4, "hash_ids": [i, i]}
+        for i in range(n)
+    ]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return f"mooncake:{path}"
+
+
+def test_trace_samples_are_consecutive_windows_from_time_zero(tmp_path: Path) -> None:
+    spec = _trace(tmp_path / "t.jsonl", 10)
+    first, second = samples.sample(spec, 4, 0), samples.sample(spec, 4, 1)
+    assert [len(first), len(second)] == [4, 4]
+    assert first.requests[0].arrival == second.requests[0].arrival == 0.0
+    # window 1 is requests 4-7: their own spacing, not window 0's requests again
+    assert second.requests[0].block_hashes != first.requests[0].block_hashes
+    assert second.requests[0].block_hashes == samples.sample(spec, 1, 4).requests[0].block_hashes
+    assert math.isclose(second.requests[3].arrival, 0.75)
+
+
+def test_seeded_specs_draw_one_workload_per_seed() -> None:
+    spec = "gen:no_sharing?n=30&seed={seed}"
+    a, b, again = (
+        samples.sample(spec, 20, 0),
+        samples.sample(spec, 20, 1),
+        samples.sample(spec, 20, 0),
+    )
+    assert len(a) == 20
+    assert a.requests == again.requests
+    assert [r.prompt_tokens for r in a.requests] != [r.prompt_tokens for r in b.requests]
+
+
+def test_ratios_take_each_samples_strongest_baseline() -> None:
+    caps = {
+        0: {"p": 3.0, "least_loaded": 2.0, "cache_aware": 4.0},
+        1: {"p": 3.0, "least_loaded": 3.0, "cache_aware": 1.0},
+    }
+    assert samples.ratios(caps, "p", "best") == [0.75, 1.0]
+    assert samples.ratios(caps, "p", "least_loaded") == [1.5, 1.0]
+    assert math.isclose(samples.geomean([0.75, 1.0]), math.sqrt(0.75))
+    att = [{"p@0.75": 0.9, "p@1": 0.8}, {"p@0.75": 1.0, "p@1": 0.9}]
+    full = {k: {**v, **att[k], "shared_queue": 5.0} for k, v in caps.items()}
+    assert "| p | — | 0.87 / 0.75 / 1 of 2 | 95.0% | 85.0% |" in samples.render(full, ["p"])
