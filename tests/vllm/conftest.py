@@ -31,6 +31,7 @@ from gateway.cli.demo import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("KVGATE_VLLM_VENV", ROOT / ".venv-vllm"))
+NO_AMX = Path(__file__).parent / "no_amx"
 MODEL_DIR = Path(os.environ.get("KVGATE_TINY_MODEL", ROOT / ".cache" / "tiny-llama"))
 LORA_DIR = Path(os.environ.get("KVGATE_TINY_LORA", str(MODEL_DIR) + "-lora"))
 MODEL = "tiny-llama"
@@ -178,6 +179,10 @@ def start_engine(
         **(env or {}),
     }
     full_env.pop("PYTHONHASHSEED", None)
+    # vLLM's AVX-512 attention instead of its AMX kernel, which dies with SIGILL on some AMX
+    # machines (no_amx/sitecustomize.py); a no-op where torch reports no AMX
+    paths = [str(NO_AMX), full_env.get("PYTHONPATH", "")]
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     otlp_port = None
     if otlp:  # spans to an OTLP collector a test runs on this port (tests/vllm/otlp_collector.py)
         otlp_port = free_port()
