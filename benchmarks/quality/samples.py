@@ -1,7 +1,7 @@
 """Capacity over many samples of one workload shape: is a suite cell's ratio the policy or the draw?
 
     python -m benchmarks.quality.samples SPEC --requests N --samples K [--preset P]
-        [--policies a,b,...] [--jobs 2]
+        [--policies a,b:knob=v;knob=v,...] [--jobs 2]
 
 A suite cell is one draw of 150-240 requests, where 15-24 misses decide the 90 % line
 and capacities move by up to ±10 % with the search's start. This benchmark draws
@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from benchmarks.common import benchmark_parser
+from benchmarks.quality.diagnose import parse_policy
 from benchmarks.quality.suite import BASELINES, POLICY_BRACKET
 from gateway.perfmodel.presets import DEFAULT_PRESET, load_preset
 from gateway.sim.loop import ClusterSpec
@@ -76,11 +77,12 @@ def run_sample(job: Job) -> tuple[int, dict[str, float]]:
     sq, _ = shared_queue_capacity(wl, cluster)
     start = wl.scaled(0.7 * sq / wl.rate) if sq > 0 else wl
     caps: dict[str, float] = {"shared_queue": sq}
-    for name in job.policies:
-        caps[name], _ = capacity_search(name, start, cluster, bracket=POLICY_BRACKET)
+    for text in job.policies:
+        name, opts = parse_policy(text)
+        caps[text], _ = capacity_search(name, start, cluster, options=opts, bracket=POLICY_BRACKET)
         for load in LOADS:
-            run = run_policy(name, wl.scaled(load * sq / wl.rate), cluster)
-            caps[f"{name}@{load:g}"] = slo_attainment(run)
+            run = run_policy(name, wl.scaled(load * sq / wl.rate), cluster, options=opts)
+            caps[f"{text}@{load:g}"] = slo_attainment(run)
     return job.k, caps
 
 
