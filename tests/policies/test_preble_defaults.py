@@ -51,7 +51,7 @@ def only(engine: str) -> ClusterView:
 
 def test_defaults_are_queue_aware_with_p_d_balancing_off() -> None:
     cfg = PrebleConfig()
-    assert cfg.queue_aware and not cfg.pd_balance and cfg.load_horizon_s == 2.0
+    assert cfg.queue_aware and not cfg.pd_balance and cfg.load_horizon_s == 1.0
 
 
 def test_exploit_avoids_the_holder_with_prefill_queued_now() -> None:
