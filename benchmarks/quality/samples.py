@@ -118,7 +118,8 @@ def render(caps: Mapping[int, Mapping[str, float]], policies: Sequence[str]) -> 
     for p in policies:
         parts = []
         for against in ("least_loaded", "best"):
-            if against == "least_loaded" and against not in policies:
+            known = any(b in row for row in caps.values() for b in BASELINES)
+            if (against == "least_loaded" and against not in policies) or not known:
                 parts.append("—")
                 continue
             r = ratios(caps, p, against)

@@ -26,7 +26,16 @@ Dynamo, ``../shared/docs/anchors.md``):
    routed there, decayed over ``duty_window_s`` (chunked prefill shares the
    decode steps, :class:`~gateway.policies.inflight.RoutedWork`); with KV
    events, the prefill of the blocks the engine announced instead, which
-   every gateway replica sees alike. ``kv_admission``: where the KV in use,
+   every gateway replica sees alike. Over 10 s one prefill moved an engine's
+   duty cycle enough to flip its TPOT prediction across the target, and
+   questions on 8 H100 engines (``gen:long_doc_qa?docs=100``) swung between
+   holders: attainment 0.970 / 0.899 / 0.890 / 0.899 at 300 / 350 / 400 /
+   450 req/s (weighted_scorer 0.969 / 0.961 / 0.944 / 0.945); over 30 s
+   0.968 / 0.966 / 0.942 / 0.940, and capacity over 8 draws of each suite
+   shape at or above the 10 s window's but on A6000 chat (1.17 -> 1.13 of
+   the best baseline) and agent (1.06 -> 1.04); H100 chat 1.12 -> 1.45
+   (``benchmarks.quality.samples``, ``docs/evaluation.md``).
+   ``kv_admission``: where the KV in use,
    the queued prefill and the request's own blocks exceed the engine's KV
    capacity, the request also waits about half a predicted output of decode
    steps for running sequences to free room
@@ -94,7 +103,7 @@ its KV capacity, ``index_blocks`` to override); the in-flight context at most
 
 Knobs (defaults): ``work_weight=4``, ``decode_weight=1``, ``evict_weight=3``,
 ``reuse_window=256``, ``decode_aware=true``, ``decode_in_cost=true``,
-``tpot_headroom=1``, ``duty_window_s=10``, ``share_slack=0.2``,
+``tpot_headroom=1``, ``duty_window_s=30``, ``share_slack=0.2``,
 ``share_weight=10``, ``share_window=32``, ``max_utilisation=0.9``,
 ``busy_window=32``, ``tie_s=0.005``, ``index_blocks=0``, ``precise=false``,
 ``wait_bound=1`` (0: no aging), ``kv_admission=true``, ``tpot_after_prefill=true``.
@@ -131,7 +140,7 @@ class PredictedTtftConfig:
     decode_aware: bool = True
     decode_in_cost: bool = True
     tpot_headroom: float = 1.0
-    duty_window_s: float = 10.0
+    duty_window_s: float = 30.0
     decode_weight: float = 1.0
     evict_weight: float = 3.0
     reuse_window: int = 256

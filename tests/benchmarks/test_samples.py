@@ -52,3 +52,5 @@ def test_ratios_take_each_samples_strongest_baseline() -> None:
     att = [{"p@0.75": 0.9, "p@1": 0.8}, {"p@0.75": 1.0, "p@1": 0.9}]
     full = {k: {**v, **att[k], "shared_queue": 5.0} for k, v in caps.items()}
     assert "| p | — | 0.87 / 0.75 / 1 of 2 | 95.0% | 85.0% |" in samples.render(full, ["p"])
+    alone = {k: {"p": 3.0, **att[k], "shared_queue": 5.0} for k in caps}  # no baseline run
+    assert "| p | — | — | 95.0% | 85.0% |" in samples.render(alone, ["p"])
