@@ -167,12 +167,14 @@ async def test_the_gateway_subscriber_mirrors_the_engine_cache(
             await complete(client, prompt(i))
         publisher = state_of(app).kv_events
         assert publisher is not None
-        await wait_for(lambda: sub.batches >= publisher.seq)
+        # the subscriber's thread may join late and replay the first batches (ZMQ's slow
+        # joiner); on a loaded 2-core CI machine that took longer than 3 s once
+        await wait_for(lambda: sub.batches >= publisher.seq, timeout=15.0)
         want = {h for i in range(6) for h in block_ids(await tokens(client, prompt(i)), 16)}
         assert held <= want and len(held) == state_of(app).driver.core.pool.cached
         assert any(d.removed for d in deltas)
         await client.post("/reset_prefix_cache")
-        await wait_for(lambda: sub.batches >= publisher.seq)
+        await wait_for(lambda: sub.batches >= publisher.seq, timeout=15.0)
         assert not held and deltas[-1].cleared
     finally:
         await sub.aclose()
