@@ -26,13 +26,12 @@ is deterministic: a rerun prints the same numbers.
 from __future__ import annotations
 
 import math
-import multiprocessing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from benchmarks.common import benchmark_parser
 from benchmarks.quality.diagnose import parse_policy
-from benchmarks.quality.suite import BASELINES, POLICY_BRACKET
+from benchmarks.quality.suite import BASELINES, POLICY_BRACKET, pool_map
 from gateway.perfmodel.presets import DEFAULT_PRESET, load_preset
 from gateway.sim.loop import ClusterSpec
 from gateway.sim.metrics import slo_attainment
@@ -115,10 +114,10 @@ def render(caps: Mapping[int, Mapping[str, float]], policies: Sequence[str]) -> 
     head = "| policy | ÷ least_loaded: geomean / lowest / ≥ 0.97 | ÷ best baseline: geomean / "
     head += "lowest / ≥ 0.97 | " + " | ".join(f"attainment at {x:g}× SQ (mean)" for x in LOADS)
     lines += ["", head + " |", "|---" * (3 + len(LOADS)) + "|"]
+    known = any(b in row for row in caps.values() for b in BASELINES)  # a baseline was run
     for p in policies:
         parts = []
         for against in ("least_loaded", "best"):
-            known = any(b in row for row in caps.values() for b in BASELINES)
             if (against == "least_loaded" and against not in policies) or not known:
                 parts.append("—")
                 continue
@@ -142,11 +141,7 @@ def main() -> None:
     args = ap.parse_args()
     policies = tuple(p for p in args.policies.split(",") if p)
     jobs = [Job(args.spec, args.requests, k, args.preset, policies) for k in range(args.samples)]
-    if args.jobs > 1:
-        with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
-            caps = dict(pool.imap_unordered(run_sample, jobs))
-    else:
-        caps = dict(map(run_sample, jobs))
+    caps = dict(pool_map(run_sample, jobs, args.jobs))
     print(f"{args.spec}: {args.samples} samples of {args.requests} requests, 8 × {args.preset}")
     print(render(caps, policies))
 

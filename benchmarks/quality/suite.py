@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from benchmarks.common import benchmark_parser, data_dir
 from gateway.perfmodel.engine import EngineCore
@@ -39,6 +39,9 @@ from gateway.sim.metrics import cache_hit_upper_bound, slo_attainment, summarize
 from gateway.sim.runner import capacity_search, run_policy
 from gateway.sim.shared_queue import run_shared_queue, shared_queue_capacity
 from gateway.sim.workloads import Workload, WorkloadOptions, load_workload
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 PRESETS = [DEFAULT_PRESET, "qwen2.5-7b-h100"]
 BASELINES = ["round_robin", "least_loaded", "power_of_two", "cache_aware", "weighted_scorer"]
@@ -198,9 +201,9 @@ def run_task(task: Task) -> dict[str, Any]:
 
 
 # -- orchestration -------------------------------------------------------------------
-def _pool_map(
-    fn: Callable[[Task], dict[str, Any]], tasks: list[Task], jobs: int
-) -> Iterable[dict[str, Any]]:
+def pool_map(fn: Callable[[T], R], tasks: list[T], jobs: int) -> Iterable[R]:
+    """``fn`` over ``tasks`` in ``jobs`` forked worker processes (in this one if ``jobs <= 1``),
+    results in completion order."""
     if jobs <= 1:
         for task in tasks:
             yield fn(task)
@@ -226,7 +229,7 @@ def run_suite(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str,
     started = time.perf_counter()
     done = 0
     total = len(bounds) * (1 + len(policies))
-    for res in _pool_map(run_task, bounds, args.jobs):
+    for res in pool_map(run_task, bounds, args.jobs):
         done += 1
         results["runs"][(res["preset"], res["workload"])] = res
         say(
@@ -248,7 +251,7 @@ def run_suite(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str,
         for (p, w), r in results["runs"].items()
         for pol in policies
     ]
-    for res in _pool_map(run_task, tasks, args.jobs):
+    for res in pool_map(run_task, tasks, args.jobs):
         done += 1
         results["runs"][(res["preset"], res["workload"])].setdefault("policies", {})[
             res["policy"]
