@@ -91,8 +91,11 @@ async def test_a_routed_request_is_one_span_in_the_clients_trace(mode: str) -> N
 async def test_a_refused_request_is_a_span_with_its_status() -> None:
     async with traced_picker("both") as (server, transport, urls, exporter):
         envoy = FakeEnvoy(server, transport)
-        transport.down.add(urls[0].removeprefix("http://"))  # health will take it out
-        server.service.registry.mark_failure(urls[0], "down", server.service.clock())
+        transport.down.add(urls[0].removeprefix("http://"))
+        # out of routing now (a refused connection), not after the health loop's next round
+        server.service.registry.mark_failure(
+            urls[0], "connection refused", server.service.clock(), immediate=True
+        )
         out = await envoy.send("/v1/completions", {"model": MODEL, "prompt": "hi"}, headers=CLIENT)
         assert out.immediate_status == 503
         (span,) = await ended(exporter, 1)
