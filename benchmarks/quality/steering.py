@@ -12,17 +12,16 @@ docs/evaluation.md (small, overloaded pools) quotes this command.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, cast
+from typing import cast
 
 from benchmarks.common import benchmark_parser
 from benchmarks.quality.diagnose import parse_policy
 from gateway.core.types import ClusterView, Decision, RequestInfo
 from gateway.perfmodel.presets import load_preset
-from gateway.policies.base import Policy, PolicyContext
+from gateway.policies.base import Policy, PolicyContext, build_config
 from gateway.policies.predicted_ttft import (
     PredictedTtftConfig,
     PredictedTtftPolicy,
-    Prediction,
 )
 from gateway.sim.loop import ClusterSpec, Simulation
 from gateway.sim.metrics import summarize
@@ -40,48 +39,21 @@ class SteeringLog(PredictedTtftPolicy):
         self.steered = 0
         self.terms: dict[str, float] = defaultdict(float)
 
-    def _terms(self, p: Prediction, req: RequestInfo, rows: list[Prediction]) -> dict[str, float]:
-        cfg = self.config
-        u = min(cfg.max_utilisation, self._busy)
-        lam = cfg.work_weight * u / (1.0 - u)
-        out = float(req.predicted_output_tokens or self.outputs.predict(req))
-        mean_running = max(1.0, sum(q.engine.num_running for q in rows) / len(rows))
-        evicted = self._evicted_s(p.engine.id, req, p.hit_tokens)
-        full = self.perf.prefill_time(req.prompt_tokens, 0)
-        return {
-            "ttft": p.ttft_s,
-            "decode (out x tpot)": out * p.tpot_s,
-            "work price": lam * p.work_s,
-            "eviction price": cfg.evict_weight * self._reuse * (1.0 + lam) * evicted,
-            "decode-batch price": cfg.decode_weight
-            * u
-            * p.work_s
-            * p.engine.num_running
-            / mean_running,
-            "share penalty": cfg.share_weight
-            * full
-            * self._excess_share(p.engine.id, 1 / len(rows)),
-        }
-
     def decide(self, req: RequestInfo, view: ClusterView, now: float) -> Decision:
         rows = self.predict(req, view, now)
+        out = float(req.predicted_output_tokens or self.outputs.predict(req))
+        prices = self.prices(req, rows, out)
         decision = super().decide(req, view, now)
         self.decisions += 1
         least = min(rows, key=lambda p: p.ttft_s)
         chosen = next(p for p in rows if p.engine.id == decision.engine)
         if chosen.ttft_s - least.ttft_s > self.margin:
             self.steered += 1
-            a, b = self._terms(chosen, req, rows), self._terms(least, req, rows)
+            a = self.cost_terms(chosen, req, prices)
+            b = self.cost_terms(least, req, prices)
             for k in a:
                 self.terms[k] += a[k] - b[k]
         return decision
-
-
-def parse_option(default: Any, text: str) -> Any:
-    """``text`` as the type of the knob's ``default`` (``false`` is a bool's False)."""
-    if isinstance(default, bool):
-        return text.strip().lower() in ("1", "true", "yes", "on")
-    return type(default)(text)
 
 
 def main() -> None:
@@ -99,9 +71,9 @@ def main() -> None:
     wl = wl.head(args.requests).scaled(args.scale)
     cluster = ClusterSpec(args.instances, load_preset(args.preset))
     _, opts = parse_policy("x:" + args.options) if args.options else ("", None)
-    kw = {k: parse_option(getattr(PredictedTtftConfig(), k), v) for k, v in (opts or {}).items()}
+    config = build_config(PredictedTtftConfig, opts, "predicted_ttft")
     ctx = PolicyContext(seed=args.seed, block_size=wl.block_size, perf=cluster.perf)
-    policy = SteeringLog(ctx, PredictedTtftConfig(**kw))
+    policy = SteeringLog(ctx, config)
     policy.margin = args.margin
     s = summarize(Simulation(cluster, cast(Policy, policy), wl).run())
     print(

@@ -79,6 +79,16 @@ Dynamo, ``../shared/docs/anchors.md``):
    see the decodes it slows (Mooncake on 8 H100 engines at 17.2 req/s: SLO
    attainment 0.880 -> 0.906, TPOT-only misses 11.8 -> 9.2 %; weighted_scorer
    0.915)
+   ``+ harm_weight * prefill(e) * slowdown(e) * running(e) * min(1, rise / headroom)``:
+   each decode running there waits out the prefill's chunks (its steps carry them),
+   seconds of other requests' time; they count in proportion to the TPOT headroom
+   they use: ``rise = prefill * slowdown / out`` spread over an output like this
+   request's, ``headroom = tpot_headroom x TPOT target - tpot(e)`` (all of it when
+   none is left). A cold document's prefill then goes where few decodes near
+   their target run, and a short prompt beside a big batch costs almost nothing
+   (over 8 draws of each suite shape: A6000 long_doc_qa 0.92 -> 0.94 of the best
+   baseline, chat 1.13 -> 1.22, chat_burst 1.09 -> 1.21, H100 chat 1.45 -> 1.61;
+   without the headroom share, H100 chat fell to 0.80, ``docs/evaluation.md``)
    ``+ evict_weight * reuse * (1 + lambda) * prefill(evicted(e))``: the cached
    blocks the request's uncached ones push out of a full engine (as the index
    sees it) will be prefilled again when their prompts come back; ``reuse`` is
@@ -101,7 +111,7 @@ Memory: the index holds at most ``2**22`` blocks (each engine's part at most
 its KV capacity, ``index_blocks`` to override); the in-flight context at most
 ``2**20`` requests; the rest is one small record per engine.
 
-Knobs (defaults): ``work_weight=4``, ``decode_weight=1``, ``evict_weight=3``,
+Knobs (defaults): ``work_weight=4``, ``decode_weight=1``, ``harm_weight=1``, ``evict_weight=3``,
 ``reuse_window=256``, ``decode_aware=true``, ``decode_in_cost=true``,
 ``tpot_headroom=1``, ``duty_window_s=30``, ``share_slack=0.2``,
 ``share_weight=10``, ``share_window=32``, ``max_utilisation=0.9``,
@@ -142,6 +152,9 @@ class PredictedTtftConfig:
     tpot_headroom: float = 1.0
     duty_window_s: float = 30.0
     decode_weight: float = 1.0
+    harm_weight: float = 1.0
+    """Price the decodes running on an engine wait out the prefill a choice adds there,
+    in proportion to the TPOT headroom it uses (0: off)."""
     evict_weight: float = 3.0
     reuse_window: int = 256
     share_slack: float = 0.2
@@ -163,8 +176,11 @@ class PredictedTtftConfig:
     with that prefill."""
 
     def __post_init__(self) -> None:
-        if min(self.work_weight, self.decode_weight, self.tie_s, self.wait_bound) < 0:
-            raise ValueError("work_weight, decode_weight, tie_s and wait_bound must be >= 0")
+        if min(self.work_weight, self.decode_weight, self.harm_weight, self.tie_s,
+               self.wait_bound) < 0:  # fmt: skip
+            raise ValueError(
+                "work_weight, decode_weight, harm_weight, tie_s and wait_bound must be >= 0"
+            )
         if not 0.0 < self.max_utilisation < 1.0:
             raise ValueError("max_utilisation must be within (0, 1)")
         if self.index_blocks < 0:
@@ -188,6 +204,28 @@ class Prediction:
     tpot_after_s: float = 0.0
     """The TPOT feasibility is judged on: ``tpot_s``, or where decodes run, theirs once the
     prefill this choice adds beyond the least any engine needs joins their steps."""
+    slowdown: float = 1.0
+    """How much longer the request's prefill takes in a step shared with the running decodes."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prices:
+    """The per-decision factors of every engine's cost (see the module's step 4)."""
+
+    out: float
+    """The request's predicted output tokens."""
+    u: float
+    """The cluster's busy share (engines with prefill queued), capped."""
+    work: float
+    """Seconds of later requests' time per second of prefill: ``work_weight u / (1 - u)``."""
+    evict: float
+    """Seconds per second of evicted prefill: ``evict_weight reuse (1 + work)``."""
+    mean_running: float
+    full_s: float
+    """The request's cold prefill time."""
+    fair: float
+    """An engine's fair share of requests."""
+    tpot_limit: float
 
 
 class PredictedTtftPolicy(PolicyBase):
@@ -244,7 +282,11 @@ class PredictedTtftPolicy(PolicyBase):
             if cfg.decode_aware:
                 duty = self._duty(e, now)
                 tpot = tpot_s(self.perf, e, req.prompt_tokens, duty=duty, ctx_tokens=ctx)
-            rows.append(Prediction(e, wait + work * rate.slowdown, work, hit, tpot, 0.0, tpot))
+            rows.append(
+                Prediction(
+                    e, wait + work * rate.slowdown, work, hit, tpot, 0.0, tpot, rate.slowdown
+                )
+            )
             decoding.append((duty, ctx, rate.slowdown))
         if not rows:
             return rows
@@ -261,25 +303,55 @@ class PredictedTtftPolicy(PolicyBase):
         # how busy the cluster is: the share of engines with prefill queued, smoothed over
         # decisions; extra work W on a busy cluster delays later requests by ~W u / (1 - u)
         self._observed = sum(1 for p in rows if queued_tokens(p.engine) > 0) / len(rows)
+        self._reuse_seen = max(p.hit_tokens for p in rows) / max(1, req.prompt_tokens)
+        prices = self.prices(req, rows, out)
+        return [replace(p, cost=sum(self.cost_terms(p, req, prices).values())) for p in rows]
+
+    def prices(self, req: RequestInfo, rows: Sequence[Prediction], out: float) -> Prices:
+        """This decision's factors of the cost, from the smoothed cluster state."""
+        cfg = self.config
         u = min(cfg.max_utilisation, self._busy)
         lam = cfg.work_weight * u / (1.0 - u)
-        self._reuse_seen = max(p.hit_tokens for p in rows) / max(1, req.prompt_tokens)
-        evict_price = cfg.evict_weight * self._reuse * (1.0 + lam)
-        mean_running = max(1.0, sum(p.engine.num_running for p in rows) / len(rows))
-        full = self.perf.prefill_time(req.prompt_tokens, 0)
-        fair = 1.0 / len(rows)
-        return [
-            replace(
-                p,
-                cost=p.ttft_s
-                + (out * p.tpot_s if cfg.decode_in_cost else 0.0)
-                + lam * p.work_s
-                + evict_price * self._evicted_s(p.engine.id, req, p.hit_tokens)
-                + cfg.decode_weight * u * p.work_s * p.engine.num_running / mean_running
-                + cfg.share_weight * full * self._excess_share(p.engine.id, fair),
-            )
-            for p in rows
-        ]
+        return Prices(
+            out=out,
+            u=u,
+            work=lam,
+            evict=cfg.evict_weight * self._reuse * (1.0 + lam),
+            mean_running=max(1.0, sum(p.engine.num_running for p in rows) / len(rows)),
+            full_s=self.perf.prefill_time(req.prompt_tokens, 0),
+            fair=1.0 / len(rows),
+            tpot_limit=req.slo.tpot_s * cfg.tpot_headroom,
+        )
+
+    def cost_terms(self, p: Prediction, req: RequestInfo, prices: Prices) -> dict[str, float]:
+        """``p``'s cost, term by term (seconds); the cost is their sum."""
+        cfg = self.config
+        running = p.engine.num_running
+        return {
+            "ttft": p.ttft_s,
+            "decode (out x tpot)": prices.out * p.tpot_s if cfg.decode_in_cost else 0.0,
+            "work price": prices.work * p.work_s,
+            "eviction price": prices.evict * self._evicted_s(p.engine.id, req, p.hit_tokens),
+            "decode-batch price": cfg.decode_weight
+            * prices.u
+            * p.work_s
+            * running
+            / prices.mean_running,
+            "decode harm": cfg.harm_weight * self._harm_s(p, prices) if running else 0.0,
+            "share penalty": cfg.share_weight
+            * prices.full_s
+            * self._excess_share(p.engine.id, prices.fair),
+        }
+
+    @staticmethod
+    def _harm_s(p: Prediction, prices: Prices) -> float:
+        """Seconds the decodes running on ``p``'s engine wait out its prefill, counted in
+        proportion to the TPOT headroom that uses (all of it when none is left)."""
+        delay = p.work_s * p.slowdown
+        headroom = prices.tpot_limit - p.tpot_s
+        rise = delay / max(1.0, prices.out)
+        share = 1.0 if headroom <= 0.0 else min(1.0, rise / headroom)
+        return delay * p.engine.num_running * share
 
     def _evicted_s(self, engine: EngineId, req: RequestInfo, hit: int) -> float:
         """Prefill seconds of the cached blocks a miss on ``engine`` would evict: what its

@@ -144,7 +144,8 @@ def test_prefill_added_to_a_big_decode_batch_is_priced(decode_weight: float, exp
     """Both engines have prefill queued; e0 runs 120 decodes, e1 20. A cold 8,000-token prompt
     is predicted 0.02 s faster on e0, but its prefill chunks would stretch e0's 120 decodes:
     ``decode_weight x u x prefill x running / mean running`` sends it to e1."""
-    quiet = {"decode_aware": False, "work_weight": 0.0, "share_weight": 0.0, "evict_weight": 0.0}
+    quiet = {"decode_aware": False, "work_weight": 0.0, "share_weight": 0.0, "evict_weight": 0.0,
+             "harm_weight": 0.0}  # fmt: skip
     policy, d = make(decode_weight=decode_weight, **quiet)
     q = req("q", DOC)
     e0 = ev(0, num_running=120, pending_prefill_tokens=2_000)
@@ -260,7 +261,7 @@ def test_a_full_kv_cache_holds_a_new_prompt_until_running_sequences_finish() -> 
     follow-up keeps its hit on e0, priced as if its prefill started at once."""
     follow_up = req("q", DOC, extra=4_000, out=64)
     for admission, expected in ((True, "e1"), (False, "e0")):
-        _, d = make(kv_admission=admission)
+        _, d = make(kv_admission=admission, harm_weight=0.0)  # the admission wait alone
         warm(d, req("doc", DOC), "e0", 2)
         v = view(
             ev(0, num_running=10, kv_usage=0.999),
