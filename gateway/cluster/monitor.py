@@ -122,8 +122,7 @@ class EngineMonitor:
             )
             if metrics.status_code == 200:
                 try:
-                    engine.metrics = parse_vllm_metrics(metrics.text)
-                    engine.last_scrape = self.clock()
+                    engine.observe(parse_vllm_metrics(metrics.text), self.registry.clock())
                 except MetricsParseError as exc:
                     log.warning("engine %s: unusable /metrics: %s", engine.id, exc)
             else:

@@ -4,7 +4,8 @@ Each engine has a state the router keeps: health (passive from request
 failures, active from probes), the last scraped vLLM metrics, the models it
 serves (base models and LoRA adapters, re-read by the monitor), the adapters of
 the requests it has in flight there, and the prompt tokens the router has sent
-it that have not produced a first token yet (its pending prefill estimate).
+it that have not produced a first token yet (its pending prefill estimate). A
+scrape's running and waiting counts lose the attempts that ended after it.
 :meth:`EngineRegistry.view` turns this into the :class:`ClusterView` policies decide on.
 
 Health is a circuit breaker per engine (:mod:`gateway.cluster.breaker`): request
@@ -111,6 +112,30 @@ class EngineState:
     model_refreshes: int = 0
     """Reads of ``/v1/models`` that succeeded."""
     model_refresh_failures: int = 0
+    attempts_since: dict[str, float] = field(default_factory=dict)
+    """When each attempt this gateway has in flight on the engine began (bounded:
+    :data:`MAX_LORA_REQUESTS_TRACKED`)."""
+    left_since_scrape: int = 0
+    """Attempts that began before the latest scrape and ended after it: the scrape still
+    counts them as running or waiting (see :meth:`observe`)."""
+
+    def observe(self, metrics: EngineMetrics, now: float) -> None:
+        """A new scrape: its counts include every attempt in flight until now."""
+        self.metrics = metrics
+        self.last_scrape = now
+        self.left_since_scrape = 0
+
+    def live_counts(self) -> tuple[int, int]:
+        """(running, waiting) as of now: the scrape's, less the attempts that ended since
+        (running first, then waiting). A scrape lags by up to the monitor's interval; a
+        request that finished after it would otherwise keep its engine looking busy, and
+        sequential clients would all be sent to the engine scraped last."""
+        if self.metrics is None:
+            return 0, 0
+        running, waiting = int(self.metrics.running), int(self.metrics.waiting)
+        gone = min(self.left_since_scrape, running + waiting)
+        from_running = min(gone, running)
+        return running - from_running, waiting - (gone - from_running)
 
     def lora_resident(self) -> frozenset[str]:
         """Adapters in the engine's batch as last scraped, plus those of requests this
@@ -302,6 +327,8 @@ class EngineRegistry:
         e = self._engines.get(engine_id)
         if e is not None:
             e.breaker.begin(request_id)
+            if len(e.attempts_since) < MAX_LORA_REQUESTS_TRACKED:
+                e.attempts_since.setdefault(request_id, self.clock())
             if lora and len(e.lora_by_request) < MAX_LORA_REQUESTS_TRACKED:
                 e.lora_by_request[request_id] = lora
 
@@ -310,6 +337,9 @@ class EngineRegistry:
         if e is not None:
             e.breaker.end(request_id)
             e.lora_by_request.pop(request_id, None)
+            began = e.attempts_since.pop(request_id, None)
+            if began is not None and e.last_scrape is not None and began <= e.last_scrape:
+                e.left_since_scrape += 1
 
     def retry_after(self, now: float) -> int:
         """Seconds until the first open engine turns half-open (1 when none is open)."""
@@ -395,13 +425,14 @@ class EngineRegistry:
                 continue
             peer_n, peer_tokens = peers.of(e.id) if peers is not None else (0, 0)
             m = e.metrics
+            running, waiting = e.live_counts()
             views.append(
                 EngineView(
                     id=e.id,
                     role=e.role,
                     healthy=e.admits and e.id not in excluded,
-                    num_waiting=int(m.waiting) if m else 0,
-                    num_running=int(m.running) if m else 0,
+                    num_waiting=waiting,
+                    num_running=running,
                     pending_prefill_tokens=e.pending_tokens + peer_tokens,
                     kv_usage=m.kv_usage if m else 0.0,
                     kv_capacity_blocks=(m.num_gpu_blocks or 0) if m else 0,
