@@ -12,7 +12,10 @@ On subscribing, the subscriber first asks the replay socket (when the engine has
 for every batch it still buffers, from seq 0 on (``catch_up``): a gateway replica that
 starts or restarts after the engine thus rebuilds what the engine cached, as far back
 as the engine's replay buffer reaches (vLLM's ``buffer_steps``, 10,000 batches);
-live batches the replay already delivered are then skipped.
+live batches the replay already delivered are then skipped. Until the first live batch
+arrives, the replay socket is asked again (from the last seq seen) at 0.5, 1, 2, 4 and 8 s:
+ZMQ's slow joiner drops what is published before the subscription reaches the publisher,
+and when nothing follows, no gap would ever show it.
 
 Sequence numbers are tracked per (engine, rank). On a gap the subscriber asks
 the engine's replay socket (ROUTER) for the missing batches; without one, or
@@ -150,6 +153,10 @@ class Source:
     topic: bytes = b""
 
 
+JOIN_CHECKS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+"""Idle waits after which a subscription without a live batch yet asks the replay socket."""
+
+
 class KVEventSubscriber:
     """Receives every configured engine's events on the running asyncio loop."""
 
@@ -169,6 +176,8 @@ class KVEventSubscriber:
         self._tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._stopping: set[asyncio.Task[None]] = set()
         self._seq: dict[tuple[str, int], int] = {}
+        self._source_seq: dict[str, int] = {}
+        """The latest seq delivered from each publisher endpoint (one integer per source)."""
         self._caught_up: set[tuple[str, int]] = set()
         self._catching: set[asyncio.Task[None]] = set()
         self._catch_done = asyncio.Event()
@@ -206,6 +215,7 @@ class KVEventSubscriber:
 
     def stop_engine(self, engine: str) -> None:
         for key in [k for k in self._tasks if k[0] == engine]:
+            self._source_seq.pop(key[1], None)
             task = self._tasks.pop(key)
             task.cancel()
             self._stopping.add(task)
@@ -264,11 +274,19 @@ class KVEventSubscriber:
                     self._catching.discard(task)
                     if not self._catching:
                         self._catch_done.set()
+                await self._await_join(sock, src)
             while True:
                 frames = await sock.recv_multipart()
                 await self._handle(src, frames)
         finally:
             sock.close(linger=0)
+
+    async def _await_join(self, sock: zmq.asyncio.Socket, src: Source) -> None:
+        """Ask the replay socket again while no live batch has come (see the module doc)."""
+        for wait_s in JOIN_CHECKS_S:
+            if await sock.poll(timeout=int(wait_s * 1000)):
+                return
+            await self._catch_up(src, self._source_seq.get(src.endpoint, -1) + 1)
 
     def _deliver(self, engine: str, delta: CacheDelta) -> None:
         try:
@@ -309,6 +327,7 @@ class KVEventSubscriber:
             elif not await self._replay(src, last + 1, seq):
                 self._reset(src.engine, f"missed batches {last + 1}..{seq - 1}")
         self._seq[key] = seq
+        self._source_seq[src.endpoint] = seq
         self.batches += 1
         self._deliver(src.engine, delta)
 
@@ -364,15 +383,16 @@ class KVEventSubscriber:
         finally:
             sock.close(linger=0)
 
-    async def _catch_up(self, src: Source) -> None:
-        """Deliver every batch the engine still buffers (those before its oldest are gone)."""
+    async def _catch_up(self, src: Source, start: int = 0) -> None:
+        """Deliver every batch the engine still buffers from ``start`` on (those before its
+        oldest are gone)."""
         sock = self._socket(zmq.DEALER, src.replay or "")
         timeout = self.replay_timeout_s
         replayed = 0
         try:
             sock.connect(src.replay or "")
             async with asyncio.timeout(timeout):
-                await sock.send_multipart([b"", (0).to_bytes(8, "big")])
+                await sock.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
                 async with asyncio.timeout(timeout):
                     frames = await sock.recv_multipart()
@@ -389,6 +409,7 @@ class KVEventSubscriber:
                 if last is not None and seq <= last:
                     continue
                 self._seq[key] = seq
+                self._source_seq[src.endpoint] = seq
                 self._caught_up.add(key)
                 self.batches += 1
                 self.replayed += 1
