@@ -137,6 +137,19 @@ class EngineState:
         from_running = min(gone, running)
         return running - from_running, waiting - (gone - from_running)
 
+    def live_kv_usage(self) -> float:
+        """The scrape's KV use, scaled by the share of its running requests still running
+        (see :meth:`live_counts`): blocks a finished request held are free again, and a
+        stale figure would keep the engine last seen busy looking fuller than the others."""
+        m = self.metrics
+        if m is None:
+            return 0.0
+        scraped = int(m.running)
+        if scraped <= 0:
+            return m.kv_usage
+        running, _ = self.live_counts()
+        return m.kv_usage * min(running, scraped) / scraped
+
     def lora_resident(self) -> frozenset[str]:
         """Adapters in the engine's batch as last scraped, plus those of requests this
         gateway has in flight there (known before the next scrape)."""
@@ -434,7 +447,7 @@ class EngineRegistry:
                     num_waiting=waiting,
                     num_running=running,
                     pending_prefill_tokens=e.pending_tokens + peer_tokens,
-                    kv_usage=m.kv_usage if m else 0.0,
+                    kv_usage=e.live_kv_usage(),
                     kv_capacity_blocks=(m.num_gpu_blocks or 0) if m else 0,
                     in_flight=in_flight.get(e.id, 0) + peer_n,
                     router_queued=queues.count(e.id) if queues is not None else 0,

@@ -76,3 +76,40 @@ def test_a_new_scrape_starts_the_count_again() -> None:
     assert counts(reg) == (1, 0)
     reg.end_attempt(e.id, "b")
     assert counts(reg) == (0, 0)
+
+
+def usage(reg: EngineRegistry) -> float:
+    (e,) = reg.view({}).engines
+    return e.kv_usage
+
+
+def test_kv_held_by_requests_that_ended_after_the_scrape_counts_as_free() -> None:
+    """A scrape taken mid-request shows its blocks held; once the request ends they are
+    free, or the engine last seen busy keeps looking fuller (its decode step slower to the
+    cost model) and sequential clients pile onto the other one."""
+    reg, clock = setup()
+    e = reg.get("http://e0")
+    assert e is not None
+    reg.begin_attempt(e.id, "a")
+    reg.begin_attempt(e.id, "b")
+    clock.t = 1.0
+    e.observe(EngineMetrics(running=2, kv_usage=0.4), clock.t)
+    assert usage(reg) == 0.4
+    clock.t = 1.5
+    reg.end_attempt(e.id, "a")
+    assert usage(reg) == 0.2  # half the running requests left: half the blocks
+    reg.end_attempt(e.id, "b")
+    assert usage(reg) == 0.0
+
+
+def test_kv_held_with_nothing_running_is_kept() -> None:
+    """Blocks held with no request running (a prefill engine's KV waiting for its decode
+    engine to pull it) are not scaled away."""
+    reg, clock = setup()
+    e = reg.get("http://e0")
+    assert e is not None
+    reg.begin_attempt(e.id, "a")
+    e.observe(EngineMetrics(running=0, kv_usage=0.3), 1.0)
+    clock.t = 1.5
+    reg.end_attempt(e.id, "a")
+    assert usage(reg) == 0.3
