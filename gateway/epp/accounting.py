@@ -25,7 +25,7 @@ import re
 from prometheus_client import Counter, Gauge
 
 from gateway.proxy.exchange import Exchange
-from gateway.proxy.relay import completion_tokens
+from gateway.proxy.relay import completion_tokens, stream_ended
 from gateway.proxy.response_store import response_id_in
 from gateway.proxy.service import RoutingService
 from gateway.proxy.settle import Settler
@@ -39,14 +39,10 @@ _HEAD_BYTES = 8192
 _DATA = re.compile(rb"^data: ", re.M)
 
 
-_LAST_EVENTS = (b"data: [DONE]", b"message_stop", b"response.completed")
-"""A streamed answer's last event, by API (chat and completions, Messages, Responses)."""
-
-
 def _answered(ticket: Ticket) -> bool:
     """The streamed answer's last event is in the bytes seen (its final few hundred)."""
     end = ticket.tail[-512:]
-    return ticket.ex.stream and any(e in end for e in _LAST_EVENTS)
+    return ticket.ex.stream and stream_ended(end)
 
 
 class Ticket:

@@ -7,6 +7,11 @@ or, for Responses and Messages, ``output_tokens``). A stored response's id is re
 the stream's first event. An upstream failure mid-stream ends the stream with an error
 in the API's own framing: ``data: {"error": ...}`` then ``data: [DONE]`` (OpenAI chat
 and completions), an ``event: error`` (Responses; Anthropic's error shape on Messages).
+
+A client that leaves once the stream's last event has reached it (``[DONE]``,
+``message_stop``, ``response.completed`` or ``response.incomplete``; the ``openai`` SDK
+closes its connection on ``[DONE]``, before the engine's body has ended) got the whole
+answer: the request counts as served, not cancelled.
 """
 
 from __future__ import annotations
@@ -32,6 +37,12 @@ log = logging.getLogger("kvgate.proxy")
 _COMPLETION_TOKENS = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 _TAIL_BYTES = 4096
 _HEAD_BYTES = 8192
+LAST_EVENT = re.compile(
+    rb"^(?:data: ?\[DONE\]|event: ?(?:message_stop|response\.completed|response\.incomplete)"
+    rb'|data: ?\{"type": ?"message_stop"\})\r?$',
+    re.MULTILINE,
+)
+"""A stream's last event, by API: chat and completions, Messages, Responses (an SSE line)."""
 
 
 class Relay:
@@ -58,13 +69,18 @@ class Relay:
         self.seen = 0
         self.events = 0
         self.outcome = "cancelled"
+        self.last = False  # the stream's last event is in what was passed on
+        self.delivered = False
+        """The stream's last event has been sent: a client leaving now was served."""
         self.done = False
 
     async def run(self) -> AsyncIterator[bytes]:
         try:
             yield self._seen(self.first)
+            self.delivered = self.last  # the consumer asks for more once a chunk is sent
             async for chunk in self.chunks:
                 yield self._seen(chunk)
+                self.delivered = self.last
             self.outcome = "ok"
         except UpstreamError as exc:
             self.outcome = "engine_error_mid_stream"
@@ -81,6 +97,8 @@ class Relay:
                 await self.close()
 
     def _seen(self, chunk: bytes) -> bytes:
+        if not self.last:  # with the tail's end: the event's line may span two chunks
+            self.last = stream_ended(self.tail[-48:] + chunk)
         self.events += chunk.count(b"data: ")
         if self.ex.store_response and self.seen < _HEAD_BYTES:  # the id is in the first event
             self.head += chunk[: _HEAD_BYTES - self.seen]
@@ -94,6 +112,8 @@ class Relay:
             return
         self.done = True
         await self.resp.close()
+        if self.outcome == "cancelled" and self.delivered:
+            self.outcome = "ok"
         output = completion_tokens(self.tail)
         if output is None and self.events:
             output = max(0, self.events - 2)  # minus the role chunk and [DONE]: an estimate
@@ -123,6 +143,11 @@ def error_event(route: str, detail: str) -> bytes:
         return f"event: error\ndata: {json.dumps(event)}\n\n".encode()
     chunk = json.dumps(error_body(502, detail, error_type="upstream_error"))
     return f"data: {chunk}\n\ndata: [DONE]\n\n".encode()
+
+
+def stream_ended(content: bytes) -> bool:
+    """``content`` (a stream's bytes) holds the stream's last event (:data:`LAST_EVENT`)."""
+    return LAST_EVENT.search(content) is not None
 
 
 def completion_tokens(content: bytes) -> int | None:

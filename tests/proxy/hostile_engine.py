@@ -111,6 +111,8 @@ CASES: dict[str, Script] = {
     "close_mid_stream": [SSE_HEAD, chunk(EVENTS[0]), Pause(0.05), b"40\r\ndata: {", CLOSE],
     "reset_mid_stream": [SSE_HEAD, chunk(EVENTS[0]), Pause(0.05), RESET],
     "stall_mid_stream": [SSE_HEAD, chunk(EVENTS[0]), Pause(120)],
+    # every event sent, [DONE] last, and the body ended only later
+    "linger_after_done": [SSE_HEAD, *(chunk(e) for e in (*EVENTS, DONE)), Pause(30), b"0\r\n\r\n"],
     # one byte a second, for longer than any read timeout in the tests
     "drip_head": [Drip(unary())],
     "drip_body": [head(b"content-length: %d" % len(GOOD_JSON)), Drip(GOOD_JSON)],
