@@ -104,3 +104,22 @@ def test_explore_skips_engines_whose_decodes_would_miss_tpot() -> None:
         d.route(req(blocks((1, 62)), extra=8), only("e0"), 0.0)
         decision = d.route(req(blocks((2, 4))), view(e1={"pending_prefill_tokens": 500}), 1.0)
         assert (decision.engine, decision.reason) == (expected, "preble:explore"), options
+
+
+def test_rebalancing_starts_with_the_first_request() -> None:
+    """Every prompt shares a long prefix (an agent's tool list), cached only on e0, which
+    already has 8 s of prefill queued; e1 is idle. Exploit has one holder, so only
+    rebalancing can move the request, and with the paper's warm-up (tens of requests per
+    engine) it may not start yet: the second request would wait behind the first's queue."""
+    quiet = {"initial_tpot_s": 0.0}
+    tools = blocks((5, 500))
+    for options, expected, reason in (
+        ({}, "e1", "preble:rebalance"),
+        ({"rebalance_warmup": 5}, "e0", "preble:exploit"),
+    ):
+        _, d = make(**quiet, **options)
+        d.route(req(tools + blocks((6, 2))), only("e0"), 0.0)
+        decision = d.route(
+            req(tools + blocks((7, 2))), view(e0={"pending_prefill_tokens": 8000}), 1.0
+        )
+        assert (decision.engine, decision.reason) == (expected, reason), options
