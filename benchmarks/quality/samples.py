@@ -79,7 +79,10 @@ def run_sample(job: Job) -> tuple[int, dict[str, float]]:
     for text in job.policies:
         name, opts = parse_policy(text)
         caps[text], _ = capacity_search(name, start, cluster, options=opts, bracket=POLICY_BRACKET)
-        for load in LOADS:
+        for load in LOADS:  # no common rate where not even the bound meets the SLO
+            if sq <= 0:
+                caps[f"{text}@{load:g}"] = math.nan
+                continue
             run = run_policy(name, wl.scaled(load * sq / wl.rate), cluster, options=opts)
             caps[f"{text}@{load:g}"] = slo_attainment(run)
     return job.k, caps
@@ -87,14 +90,16 @@ def run_sample(job: Job) -> tuple[int, dict[str, float]]:
 
 def ratios(caps: Mapping[int, Mapping[str, float]], policy: str, against: str) -> list[float]:
     """``policy``'s capacity ÷ ``against``'s per sample; ``against="best"``: the sample's
-    strongest baseline (of those run)."""
+    strongest baseline (of those run). A sample where the reference's capacity is 0 (no
+    rate meets the SLO) has no ratio and is left out."""
     out = []
     for row in caps.values():
         if against == "best":
             den = max((row[b] for b in BASELINES if b in row), default=0.0)
         else:
             den = row[against]
-        out.append(row[policy] / den if den > 0 else math.inf)
+        if den > 0:
+            out.append(row[policy] / den)
     return out
 
 
@@ -122,10 +127,14 @@ def render(caps: Mapping[int, Mapping[str, float]], policies: Sequence[str]) -> 
                 parts.append("—")
                 continue
             r = ratios(caps, p, against)
+            if not r:
+                parts.append("—")
+                continue
             ok = sum(1 for v in r if v >= TIE)
             parts.append(f"{geomean(r):.2f} / {min(r):.2f} / {ok} of {len(r)}")
-        att = [sum(row[f"{p}@{x:g}"] for row in caps.values()) / len(caps) for x in LOADS]
-        parts += [f"{a:.1%}" for a in att]
+        for x in LOADS:
+            att = [row[f"{p}@{x:g}"] for row in caps.values() if row["shared_queue"] > 0]
+            parts.append(f"{sum(att) / len(att):.1%}" if att else "—")
         lines.append(f"| {p} | " + " | ".join(parts) + " |")
     return "\n".join(lines)
 
@@ -144,6 +153,10 @@ def main() -> None:
     caps = dict(pool_map(run_sample, jobs, args.jobs))
     print(f"{args.spec}: {args.samples} samples of {args.requests} requests, 8 × {args.preset}")
     print(render(caps, policies))
+    idle = sorted(k for k, row in caps.items() if row["shared_queue"] <= 0)
+    if idle:
+        print(f"\nSamples {idle}: not even the shared-queue bound meets the SLO at any rate;")
+        print("they are left out of the ratios and attainment means.")
 
 
 if __name__ == "__main__":

@@ -54,3 +54,19 @@ def test_ratios_take_each_samples_strongest_baseline() -> None:
     assert "| p | — | 0.87 / 0.75 / 1 of 2 | 95.0% | 85.0% |" in samples.render(full, ["p"])
     alone = {k: {"p": 3.0, **att[k], "shared_queue": 5.0} for k in caps}  # no baseline run
     assert "| p | — | — | 95.0% | 85.0% |" in samples.render(alone, ["p"])
+
+
+def test_samples_no_router_can_serve_are_left_out() -> None:
+    """A sample whose prompts no engine can serve at the SLO has capacity 0 for every policy
+    and the bound: it has no ratio (not an infinite one) and no common rate."""
+    served = {"p@0.75": 0.9, "p@1": 0.8, "least_loaded@0.75": 0.9, "least_loaded@1": 0.8}
+    idle = dict.fromkeys(served, math.nan)
+    caps = {
+        0: {"p": 3.0, "least_loaded": 2.0, **served, "shared_queue": 5.0},
+        1: {"p": 0.0, "least_loaded": 0.0, **idle, "shared_queue": 0.0},
+    }
+    assert samples.ratios(caps, "p", "least_loaded") == [1.5]
+    table = samples.render(caps, ["p", "least_loaded"])
+    assert "| p | 1.50 / 1.50 / 1 of 1 | 1.50 / 1.50 / 1 of 1 | 90.0% | 80.0% |" in table
+    none = {1: caps[1]}
+    assert "| p | — | — | — | — |" in samples.render(none, ["p", "least_loaded"])
