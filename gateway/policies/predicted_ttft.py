@@ -54,6 +54,19 @@ Dynamo, ``../shared/docs/anchors.md``):
    so the long prompts waited behind deep queues (``docs/evaluation.md``).
    **Feasible** engines among them meet the request's TTFT target and
    ``tpot_headroom`` x its TPOT target; when none does, all are candidates.
+   The duty cycle is read as the share of the engine's *steps* that carry a
+   prefill chunk, a pessimistic reading (it is a share of time, and a mixed
+   step lasts 10-24 decode steps) that keeps new work off engines busy with
+   prefill. On 8 x ``llama3-70b-tp2-h100`` (8,192-token chunks of a 70B
+   model) it predicted 0.10-0.15 s per token after ~10 % of prefill where
+   decodes took 0.03-0.05 s, and agent traffic crowded onto the few engines
+   still "feasible", behind their queues: capacity 0.79 of the best baseline
+   over 8 draws, lowest draw 0.49 (``docs/evaluation.md#other-presets``).
+   ``tpot_mean_filter`` (off) judges feasibility on the mean over a long
+   decode, ``1 / ((1 - duty) / step + duty / mixed)``: 0.82 there (lowest
+   0.58), the suite's shapes within 0.04, but the TTFT p99 of 8 x A6000
+   ``gen:chat?n=1500&seed=3&user_sigma=1.8`` 16.9 -> 17.2 s, above
+   least_loaded's 17.1.
    ``tpot_after_prefill``: where decodes run, the TPOT judged is the one they
    get once the prefill this choice adds beyond the least any engine needs (a
    miss where another engine holds the prefix) joins their steps, its seconds
@@ -67,7 +80,15 @@ Dynamo, ``../shared/docs/anchors.md``):
    hit 0.92, SLO attainment 0.895 -> 0.902 (``benchmarks.quality.reprefill``).
 4. **Cost** = ``ttft + out * tpot`` (``decode_in_cost``; ``out`` the request's
    predicted output, or learnt per prefix by an
-   :class:`~gateway.policies.output_predictor.OutputPredictor`)
+   :class:`~gateway.policies.output_predictor.OutputPredictor`; ``tpot`` read by
+   steps too; the mean reading here cost A6000 chat_burst 1.21 -> 1.16 of the best
+   baseline over 8 draws, A6000 Mooncake 1.07 -> 1.00. ``decode_cap`` (off)
+   counts it at most at the TPOT target: on the 70B pool 180 tokens x a 0.05 s
+   gap in predicted TPOT outweighed 4 s of queue; with the mean filter, agent
+   capacity there 0.97 of the best baseline (lowest 0.86), the suite's shapes
+   within 0.04 but A6000 Mooncake's lowest draw 0.99 -> 0.88, and the 8 x A6000
+   ``gen:chat_burst?n=1500&seed=0`` TTFT p99 10.6 -> 11.1 s, above
+   least_loaded's 10.8. Both are the remedy measured for such pools)
    ``+ lambda * prefill(e)`` with ``lambda = work_weight * u / (1 - u)``:
    on a cluster whose engines have prefill queued (``u``: share of them, an
    EWMA over ``busy_window`` decisions, capped at ``max_utilisation``), the
@@ -118,7 +139,8 @@ Knobs (defaults): ``work_weight=4``, ``decode_weight=1``, ``harm_weight=1``,
 ``decode_in_cost=true``, ``tpot_headroom=1``, ``duty_window_s=30``, ``share_slack=0.2``,
 ``share_weight=10``, ``share_window=32``, ``max_utilisation=0.9``,
 ``busy_window=32``, ``tie_s=0.005``, ``index_blocks=0``, ``precise=false``,
-``wait_bound=1`` (0: no aging), ``kv_admission=true``, ``tpot_after_prefill=true``.
+``wait_bound=1`` (0: no aging), ``kv_admission=true``, ``tpot_after_prefill=true``,
+``tpot_mean_filter=false``, ``decode_cap=false``.
 """
 
 from __future__ import annotations
@@ -176,6 +198,12 @@ class PredictedTtftConfig:
     kv_admission: bool = True
     """Add to an engine's wait the time its KV cache needs to make room for the request
     (:func:`~gateway.policies.ttft_estimate.admission_wait_s`)."""
+    decode_cap: bool = False
+    """Count the cost's decode term at most at the TPOT target (``out x min(tpot, target)``):
+    with ``tpot_mean_filter``, the remedy measured for 70B pools with 8,192-token chunks."""
+    tpot_mean_filter: bool = False
+    """Judge TPOT feasibility on the mean over a long decode, the duty cycle read as a share
+    of time (:func:`~gateway.policies.ttft_estimate.tpot_s` with ``mean``), not of steps."""
     tpot_after_prefill: bool = True
     """Judge an engine's TPOT feasibility with the prefill this choice adds beyond the least
     any engine needs added to its duty cycle: the decodes running there share their steps
@@ -286,13 +314,18 @@ class PredictedTtftPolicy(PolicyBase):
             if cfg.kv_admission:
                 wait += admission_wait_s(self.perf, e, req.prompt_tokens - hit, out)
             work = self.perf.prefill_time(req.prompt_tokens - hit, hit)
-            tpot = duty = 0.0
+            tpot = judged = duty = 0.0
             if cfg.decode_aware:
                 duty = self._duty(e, now)
                 tpot = tpot_s(self.perf, e, req.prompt_tokens, duty=duty, ctx_tokens=ctx)
+                judged = tpot
+                if cfg.tpot_mean_filter:  # feasibility: the mean over a long decode
+                    judged = tpot_s(
+                        self.perf, e, req.prompt_tokens, duty=duty, ctx_tokens=ctx, mean=True
+                    )
             rows.append(
                 Prediction(
-                    e, wait + work * rate.slowdown, work, hit, tpot, 0.0, tpot, rate.slowdown
+                    e, wait + work * rate.slowdown, work, hit, tpot, 0.0, judged, rate.slowdown
                 )
             )
             decoding.append((duty, ctx, rate.slowdown))
@@ -305,8 +338,9 @@ class PredictedTtftPolicy(PolicyBase):
                 if p.engine.num_running and p.work_s > least:
                     added = (p.work_s - least) * slowdown / cfg.duty_window_s
                     after = tpot_s(
-                        self.perf, p.engine, req.prompt_tokens, duty=duty + added, ctx_tokens=ctx
-                    )
+                        self.perf, p.engine, req.prompt_tokens, duty=duty + added,
+                        ctx_tokens=ctx, mean=cfg.tpot_mean_filter,
+                    )  # fmt: skip
                     rows[i] = replace(p, tpot_after_s=after)
         # how busy the cluster is: the share of engines with prefill queued, smoothed over
         # decisions; extra work W on a busy cluster delays later requests by ~W u / (1 - u)
@@ -337,7 +371,10 @@ class PredictedTtftPolicy(PolicyBase):
         running = p.engine.num_running
         return {
             "ttft": p.ttft_s,
-            "decode (out x tpot)": prices.out * p.tpot_s if cfg.decode_in_cost else 0.0,
+            "decode (out x tpot)": prices.out
+            * (min(p.tpot_s, prices.tpot_limit) if cfg.decode_cap else p.tpot_s)
+            if cfg.decode_in_cost
+            else 0.0,
             "work price": prices.work * p.work_s,
             "eviction price": prices.evict * self._evicted_s(p.engine.id, req, p.hit_tokens),
             "decode-batch price": cfg.decode_weight
