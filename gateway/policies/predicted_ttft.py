@@ -369,12 +369,10 @@ class PredictedTtftPolicy(PolicyBase):
         """``p``'s cost, term by term (seconds); the cost is their sum."""
         cfg = self.config
         running = p.engine.num_running
+        tpot = min(p.tpot_s, prices.tpot_limit) if cfg.decode_cap else p.tpot_s
         return {
             "ttft": p.ttft_s,
-            "decode (out x tpot)": prices.out
-            * (min(p.tpot_s, prices.tpot_limit) if cfg.decode_cap else p.tpot_s)
-            if cfg.decode_in_cost
-            else 0.0,
+            "decode (out x tpot)": prices.out * tpot if cfg.decode_in_cost else 0.0,
             "work price": prices.work * p.work_s,
             "eviction price": prices.evict * self._evicted_s(p.engine.id, req, p.hit_tokens),
             "decode-batch price": cfg.decode_weight
