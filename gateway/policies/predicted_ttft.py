@@ -54,19 +54,17 @@ Dynamo, ``../shared/docs/anchors.md``):
    so the long prompts waited behind deep queues (``docs/evaluation.md``).
    **Feasible** engines among them meet the request's TTFT target and
    ``tpot_headroom`` x its TPOT target; when none does, all are candidates.
-   The duty cycle is read as the share of the engine's *steps* that carry a
-   prefill chunk, a pessimistic reading (it is a share of time, and a mixed
-   step lasts 10-24 decode steps) that keeps new work off engines busy with
-   prefill. On 8 x ``llama3-70b-tp2-h100`` (8,192-token chunks of a 70B
-   model) it predicted 0.10-0.15 s per token after ~10 % of prefill where
-   decodes took 0.03-0.05 s, and agent traffic crowded onto the few engines
-   still "feasible", behind their queues: capacity 0.79 of the best baseline
-   over 8 draws, lowest draw 0.49 (``docs/evaluation.md#other-presets``).
-   ``tpot_mean_filter`` (off) judges feasibility on the mean over a long
-   decode, ``1 / ((1 - duty) / step + duty / mixed)``: 0.82 there (lowest
-   0.58), the suite's shapes within 0.04, but the TTFT p99 of 8 x A6000
-   ``gen:chat?n=1500&seed=3&user_sigma=1.8`` 16.9 -> 17.2 s, above
-   least_loaded's 17.1.
+   The duty cycle is read as the share of *steps* carrying a prefill chunk:
+   pessimistic (it is a share of time; a mixed step lasts 10-24 decode steps),
+   it keeps new work off engines busy with prefill. On 8 x ``llama3-70b-tp2-h100``
+   it predicted 0.10-0.15 s per token after ~10 % of prefill where decodes took
+   0.03-0.05 s; agent traffic crowded onto the few "feasible" engines, behind
+   their queues: 0.79 of the best baseline over 8 draws, lowest 0.49.
+   Judged on the mean over a long decode (``tpot_mean_filter``, off) or on the
+   90th percentile of the request's own mean TPOT, its mixed steps Poisson
+   (``tpot_quantile=0.9``, off): 0.82 there (lowest 0.58) either way, as the
+   cost's decode term still reads steps; small-pool TTFT p99 above
+   least_loaded's on one of two thin traces (``docs/evaluation.md``).
    ``tpot_after_prefill``: where decodes run, the TPOT judged is the one they
    get once the prefill this choice adds beyond the least any engine needs (a
    miss where another engine holds the prefix) joins their steps, its seconds
@@ -140,7 +138,7 @@ Knobs (defaults): ``work_weight=4``, ``decode_weight=1``, ``harm_weight=1``,
 ``share_weight=10``, ``share_window=32``, ``max_utilisation=0.9``,
 ``busy_window=32``, ``tie_s=0.005``, ``index_blocks=0``, ``precise=false``,
 ``wait_bound=1`` (0: no aging), ``kv_admission=true``, ``tpot_after_prefill=true``,
-``tpot_mean_filter=false``, ``decode_cap=false``.
+``tpot_mean_filter=false``, ``tpot_quantile=0``, ``decode_cap=false``.
 """
 
 from __future__ import annotations
@@ -159,6 +157,7 @@ from gateway.policies.ttft_estimate import (
     admission_wait_s,
     queued_tokens,
     step_rate,
+    tpot_quantile_s,
     tpot_s,
     wait_s,
 )
@@ -204,6 +203,9 @@ class PredictedTtftConfig:
     tpot_mean_filter: bool = False
     """Judge TPOT feasibility on the mean over a long decode, the duty cycle read as a share
     of time (:func:`~gateway.policies.ttft_estimate.tpot_s` with ``mean``), not of steps."""
+    tpot_quantile: float = 0.0
+    """Judge TPOT feasibility on this quantile of the request's mean TPOT over its predicted
+    output (:func:`~gateway.policies.ttft_estimate.tpot_quantile_s`); 0: the steps' reading."""
     tpot_after_prefill: bool = True
     """Judge an engine's TPOT feasibility with the prefill this choice adds beyond the least
     any engine needs added to its duty cycle: the decodes running there share their steps
@@ -223,6 +225,8 @@ class PredictedTtftConfig:
             raise ValueError("index_blocks must be >= 0")
         if self.evict_weight < 0 or self.reuse_window <= 0:
             raise ValueError("evict_weight must be >= 0, reuse_window > 0")
+        if not 0.0 <= self.tpot_quantile < 1.0:
+            raise ValueError("tpot_quantile must be within [0, 1)")
         if self.share_slack < 0 or self.share_weight < 0 or self.share_window <= 0:
             raise ValueError("share_slack and share_weight must be >= 0, share_window > 0")
 
@@ -281,6 +285,7 @@ class PredictedTtftPolicy(PolicyBase):
         self.outputs = OutputPredictor(default=128.0)
         self.routed_work = RoutedWork(self.config.duty_window_s)
         self._block_size = ctx.block_size
+        self._reads = self.config.tpot_mean_filter or self.config.tpot_quantile > 0
         self._clock = 0.0  # the latest time a decision or routing was made at
         self.flight = InFlightContext()
         self._engines = 1
@@ -318,11 +323,7 @@ class PredictedTtftPolicy(PolicyBase):
             if cfg.decode_aware:
                 duty = self._duty(e, now)
                 tpot = tpot_s(self.perf, e, req.prompt_tokens, duty=duty, ctx_tokens=ctx)
-                judged = tpot
-                if cfg.tpot_mean_filter:  # feasibility: the mean over a long decode
-                    judged = tpot_s(
-                        self.perf, e, req.prompt_tokens, duty=duty, ctx_tokens=ctx, mean=True
-                    )
+                judged = self._judged_tpot(e, req, duty, ctx, out) if self._reads else tpot
             rows.append(
                 Prediction(
                     e, wait + work * rate.slowdown, work, hit, tpot, 0.0, judged, rate.slowdown
@@ -337,10 +338,7 @@ class PredictedTtftPolicy(PolicyBase):
             for i, (p, (duty, ctx, slowdown)) in enumerate(zip(rows, decoding, strict=True)):
                 if p.engine.num_running and p.work_s > least:
                     added = (p.work_s - least) * slowdown / cfg.duty_window_s
-                    after = tpot_s(
-                        self.perf, p.engine, req.prompt_tokens, duty=duty + added,
-                        ctx_tokens=ctx, mean=cfg.tpot_mean_filter,
-                    )  # fmt: skip
+                    after = self._judged_tpot(p.engine, req, duty + added, ctx, out)
                     rows[i] = replace(p, tpot_after_s=after)
         # how busy the cluster is: the share of engines with prefill queued, smoothed over
         # decisions; extra work W on a busy cluster delays later requests by ~W u / (1 - u)
@@ -348,6 +346,17 @@ class PredictedTtftPolicy(PolicyBase):
         self._reuse_seen = max(p.hit_tokens for p in rows) / max(1, req.prompt_tokens)
         prices = self.prices(req, rows, out)
         return [replace(p, cost=sum(self.cost_terms(p, req, prices).values())) for p in rows]
+
+    def _judged_tpot(
+        self, e: EngineView, req: RequestInfo, duty: float, ctx: int, out: float
+    ) -> float:
+        """The TPOT ``e``'s feasibility is judged on, at prefill duty cycle ``duty``."""
+        q, n = self.config.tpot_quantile, req.prompt_tokens
+        if q > 0:
+            return tpot_quantile_s(
+                self.perf, e, n, duty=duty, output_tokens=out, quantile=q, ctx_tokens=ctx
+            )
+        return tpot_s(self.perf, e, n, duty=duty, ctx_tokens=ctx, mean=self.config.tpot_mean_filter)
 
     def prices(self, req: RequestInfo, rows: Sequence[Prediction], out: float) -> Prices:
         """This decision's factors of the cost, from the smoothed cluster state."""

@@ -13,7 +13,9 @@ capacity (the model's capacity when the engine reports none).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from statistics import NormalDist
 
 from gateway.core.types import EngineView
 from gateway.perfmodel.model import PerfModel
@@ -102,6 +104,57 @@ def tpot_s(
             return 1.0 / ((1.0 - duty) / step + duty / mixed)
         step = (1.0 - duty) * step + duty * mixed
     return step
+
+
+def tpot_quantile_s(
+    perf: PerfModel,
+    engine: EngineView,
+    context_tokens: int,
+    *,
+    duty: float,
+    output_tokens: float,
+    quantile: float,
+    ctx_tokens: int | None = None,
+) -> float:
+    """The ``quantile`` of a new sequence's mean TPOT over its ``output_tokens`` on ``engine``.
+
+    ``duty`` is read as the share of the engine's *time* in mixed steps (as with
+    :func:`tpot_s`'s ``mean``), so a step carries a prefill chunk with probability
+    ``p = (duty / mixed) / ((1 - duty) / step + duty / mixed)``. Of the request's ``k =
+    output_tokens - 1`` decode steps, the number ``m`` that are mixed is taken as Poisson
+    with mean ``k p`` (normal beyond a mean of 30); the reading is ``step + m_q (mixed -
+    step) / k`` at the ``quantile`` ``m_q``: the TPOT the request exceeds with chance ``1 -
+    quantile``. A long decode sees about the time share; a short one most likely no mixed
+    step at all, but a single one in it weighs ``(mixed - step) / k``. The steps' reading
+    (the default of :func:`tpot_s`) charges every decode the duty-weighted mixed step."""
+    batch = engine.num_running + 1
+    ctx = (kv_tokens(perf, engine) if ctx_tokens is None else ctx_tokens) + context_tokens
+    step = perf.decode_step_time(batch, ctx)
+    duty = max(0.0, min(1.0, duty))
+    if duty <= 0:
+        return step
+    chunk = max(1, perf.max_num_batched_tokens - batch)
+    mixed = perf.step_time([(chunk, 0)], batch, ctx)
+    k = max(1, math.ceil(output_tokens) - 1)
+    p = (duty / mixed) / ((1.0 - duty) / step + duty / mixed)
+    return step + min(k, poisson_quantile(k * p, quantile)) * (mixed - step) / k
+
+
+def poisson_quantile(mean: float, quantile: float) -> int:
+    """The least ``m`` with ``P(X <= m) >= quantile`` for ``X`` Poisson with ``mean`` (the
+    normal approximation, rounded up, past a mean of 30)."""
+    q = max(0.0, min(quantile, 1.0 - 1e-9))
+    if mean <= 0:
+        return 0
+    if mean > 30:
+        return max(0, math.ceil(mean + NormalDist().inv_cdf(q) * math.sqrt(mean) - 0.5))
+    term = cdf = math.exp(-mean)
+    m = 0
+    while cdf < q:
+        m += 1
+        term *= mean / m
+        cdf += term
+    return m
 
 
 def admission_wait_s(

@@ -9,13 +9,16 @@ share of *time* (the mean over a decode) 0.036 s, what the simulated decodes too
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
+from gateway.core.errors import ConfigError
 from gateway.core.types import ClusterView, EngineView, RequestInfo
 from gateway.perfmodel.presets import load_preset
 from gateway.policies import Dispatcher, PolicyContext, create_policy
 from gateway.policies.predicted_ttft import PredictedTtftPolicy
-from gateway.policies.ttft_estimate import tpot_s
+from gateway.policies.ttft_estimate import poisson_quantile, tpot_quantile_s, tpot_s
 
 PERF = load_preset("llama3-70b-tp2-h100")
 NOW = 60.0
@@ -91,3 +94,67 @@ def test_past_the_tpot_target_the_decode_term_stops_outweighing_the_wait(
     rows = {p.engine.id: p for p in policy.predict(q, v, NOW)}
     assert q.slo.tpot_s < rows["e1"].tpot_s < rows["e0"].tpot_s  # the premise
     assert d.route(q, v, NOW).engine == expected
+
+
+def _poisson_cdf(mean: float, m: int) -> float:
+    return sum(math.exp(-mean + i * math.log(mean) - math.lgamma(i + 1)) for i in range(m + 1))
+
+
+@pytest.mark.parametrize("mean", [0.05, 0.3, 1.0, 4.2, 12.0, 29.9, 31.0, 80.0, 400.0])
+@pytest.mark.parametrize("q", [0.5, 0.9, 0.99])
+def test_poisson_quantile_is_the_least_count_reaching_the_quantile(mean: float, q: float) -> None:
+    m = poisson_quantile(mean, q)
+    if mean <= 30:  # exact
+        assert _poisson_cdf(mean, m) >= q - 1e-12
+        assert m == 0 or _poisson_cdf(mean, m - 1) < q
+    else:  # the normal approximation, within a count or two of the exact quantile
+        exact = next(k for k in range(10_000) if _poisson_cdf(mean, k) >= q)
+        assert abs(m - exact) <= 2
+
+
+def test_the_quantile_reading_weighs_the_mixed_steps_a_decode_of_that_length_is_likely_to_see() -> (
+    None
+):
+    """Same engine, 20 % of its time in mixed steps: a long decode's 90th percentile sits just
+    above the time-weighted mean; a 180-token one sees a few 0.68 s steps at most (~0.036 s,
+    within the 0.1 s target); a 3-token one none at the median, all of one at the 99th."""
+    e = ev(0, num_running=1)
+    step = tpot_s(PERF, e, 1_008)
+    mean = tpot_s(PERF, e, 1_008, duty=0.2, mean=True)
+    mixed = PERF.step_time([(PERF.max_num_batched_tokens - 2, 0)], 2, 1_008)
+
+    def read(out: float, q: float = 0.9, duty: float = 0.2) -> float:
+        return tpot_quantile_s(PERF, e, 1_008, duty=duty, output_tokens=out, quantile=q)
+
+    assert read(180, duty=0.0) == pytest.approx(step)
+    assert mean < read(20_000) < mean * 1.05
+    assert step < read(180) < 0.05 < q_steps(e)
+    assert read(3, q=0.5) == pytest.approx(step)
+    assert read(3, q=0.99) == pytest.approx(step + (mixed - step) / 2)
+    assert read(180, q=0.5) < read(180, q=0.9) < read(180, q=0.99)
+
+
+def q_steps(e: EngineView) -> float:
+    """The steps' reading at the same 20 % duty cycle (above the 0.1 s target)."""
+    return tpot_s(PERF, e, 1_008, duty=0.2)
+
+
+@pytest.mark.parametrize(("quantile", "expected"), [(0.9, "e0"), (0.0, "e1")])
+def test_judged_on_the_quantile_a_recent_prefill_leaves_an_idle_70b_engine_feasible(
+    quantile: float, expected: str
+) -> None:
+    """The case of the mean filter's test, judged on the 90th percentile of the question's mean
+    TPOT over its 180 tokens (~0.037 s): both engines are feasible and the cost picks e0."""
+    policy, d = make({"e0": 0.12, "e1": 0.10}, tpot_quantile=quantile)
+    v = ClusterView((ev(0, num_running=1), ev(1, num_running=1, pending_prefill_tokens=50_000)))
+    q = question("q")
+    rows = {p.engine.id: p for p in policy.predict(q, v, NOW)}
+    assert rows["e1"].tpot_s < q.slo.tpot_s < rows["e0"].tpot_s  # infeasible by steps
+    if quantile:
+        assert max(rows["e0"].tpot_after_s, rows["e1"].tpot_after_s) < 0.05
+    assert d.route(q, v, NOW).engine == expected
+
+
+def test_tpot_quantile_is_validated() -> None:
+    with pytest.raises(ConfigError, match="tpot_quantile"):
+        make({}, tpot_quantile=1.0)
