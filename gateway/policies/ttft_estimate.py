@@ -14,6 +14,7 @@ capacity (the model's capacity when the engine reports none).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import NormalDist
 
@@ -71,6 +72,17 @@ def kv_tokens(perf: PerfModel, engine: EngineView) -> int:
     return int(max(0.0, min(1.0, engine.kv_usage)) * capacity) * perf.block_size
 
 
+def _decode_steps(
+    perf: PerfModel, engine: EngineView, context_tokens: int, ctx_tokens: int | None
+) -> tuple[float, Callable[[], float]]:
+    """A decode step of ``engine``'s batch one larger, and (computed on demand) the same step
+    carrying a full prefill chunk."""
+    batch = engine.num_running + 1
+    ctx = (kv_tokens(perf, engine) if ctx_tokens is None else ctx_tokens) + context_tokens
+    chunk = max(1, perf.max_num_batched_tokens - batch)
+    return perf.decode_step_time(batch, ctx), lambda: perf.step_time([(chunk, 0)], batch, ctx)
+
+
 def tpot_s(
     perf: PerfModel,
     engine: EngineView,
@@ -93,13 +105,10 @@ def tpot_s(
     queued ahead of the request is done before its first token and does not count.
     ``ctx_tokens`` is the context the running batch attends to (default: the view's KV in
     use, which counts a prefix shared by many sequences once)."""
-    batch = engine.num_running + 1
-    ctx = (kv_tokens(perf, engine) if ctx_tokens is None else ctx_tokens) + context_tokens
-    step = perf.decode_step_time(batch, ctx)
+    step, mixed_step = _decode_steps(perf, engine, context_tokens, ctx_tokens)
     duty = max(0.0, min(1.0, duty))
     if duty > 0:
-        chunk = max(1, perf.max_num_batched_tokens - batch)
-        mixed = perf.step_time([(chunk, 0)], batch, ctx)
+        mixed = mixed_step()
         if mean:
             return 1.0 / ((1.0 - duty) / step + duty / mixed)
         step = (1.0 - duty) * step + duty * mixed
@@ -127,14 +136,11 @@ def tpot_quantile_s(
     quantile``. A long decode sees about the time share; a short one most likely no mixed
     step at all, but a single one in it weighs ``(mixed - step) / k``. The steps' reading
     (the default of :func:`tpot_s`) charges every decode the duty-weighted mixed step."""
-    batch = engine.num_running + 1
-    ctx = (kv_tokens(perf, engine) if ctx_tokens is None else ctx_tokens) + context_tokens
-    step = perf.decode_step_time(batch, ctx)
+    step, mixed_step = _decode_steps(perf, engine, context_tokens, ctx_tokens)
     duty = max(0.0, min(1.0, duty))
     if duty <= 0:
         return step
-    chunk = max(1, perf.max_num_batched_tokens - batch)
-    mixed = perf.step_time([(chunk, 0)], batch, ctx)
+    mixed = mixed_step()
     k = max(1, math.ceil(output_tokens) - 1)
     p = (duty / mixed) / ((1.0 - duty) / step + duty / mixed)
     return step + min(k, poisson_quantile(k * p, quantile)) * (mixed - step) / k
