@@ -53,18 +53,21 @@ Dynamo, ``../shared/docs/anchors.md``):
    on average (share penalty -10.4 s, work price -7.6 s, eviction -4.4 s),
    so the long prompts waited behind deep queues (``docs/evaluation.md``).
    **Feasible** engines among them meet the request's TTFT target and
-   ``tpot_headroom`` x its TPOT target; when none does, all are candidates.
-   The duty cycle is read as the share of *steps* carrying a prefill chunk:
-   pessimistic (it is a share of time; a mixed step lasts 10-24 decode steps),
-   it keeps new work off engines busy with prefill. On 8 x ``llama3-70b-tp2-h100``
-   it predicted 0.10-0.15 s per token after ~10 % of prefill where decodes took
-   0.03-0.05 s; agent traffic crowded onto the few "feasible" engines, behind
-   their queues: 0.79 of the best baseline over 8 draws, lowest 0.49.
-   Judged on the mean over a long decode (``tpot_mean_filter``, off) or on the
-   90th percentile of the request's own mean TPOT, its mixed steps Poisson
-   (``tpot_quantile=0.9``, off): 0.82 there (lowest 0.58) either way, as the
-   cost's decode term still reads steps; small-pool TTFT p99 above
-   least_loaded's on one of two thin traces (``docs/evaluation.md``).
+   ``tpot_headroom`` x its TPOT target; **safe** ones meet ``ttft_margin`` x
+   the TTFT target too. The cheapest safe engine wins, else the cheapest
+   feasible one, else the cheapest candidate. TPOT is judged on the 90th
+   percentile of the request's own mean TPOT over its predicted output, the
+   mixed steps among its decode steps Poisson (``tpot_quantile``; 0: the
+   steps' reading below). The margin keeps the cost from trading a queue
+   that nearly spends the TTFT target (the prediction's error then misses
+   it) for seconds of predicted decode. Read as the share of *steps*
+   carrying a prefill chunk (pessimistic: a mixed step lasts 10-24 decode
+   steps), on 8 x ``llama3-70b-tp2-h100`` the duty cycle predicted 0.10-0.15
+   s per token after ~10 % of prefill where decodes took 0.03-0.05 s, and
+   agent traffic crowded onto the few "feasible" engines behind their
+   queues: 0.79 of the best baseline over 8 draws, lowest 0.49; the quantile
+   alone 0.82 / 0.58, a 0.6 margin alone 0.80 / 0.49, both 0.96 / 0.76 (A6000
+   chat_burst 1.21 -> 1.16, ``docs/evaluation.md``).
    ``tpot_after_prefill``: where decodes run, the TPOT judged is the one they
    get once the prefill this choice adds beyond the least any engine needs (a
    miss where another engine holds the prefix) joins their steps, its seconds
@@ -138,13 +141,13 @@ Knobs (defaults): ``work_weight=4``, ``decode_weight=1``, ``harm_weight=1``,
 ``share_weight=10``, ``share_window=32``, ``max_utilisation=0.9``,
 ``busy_window=32``, ``tie_s=0.005``, ``index_blocks=0``, ``precise=false``,
 ``wait_bound=1`` (0: no aging), ``kv_admission=true``, ``tpot_after_prefill=true``,
-``tpot_mean_filter=false``, ``tpot_quantile=0``, ``decode_cap=false``.
+``tpot_mean_filter=false``, ``tpot_quantile=0.9``, ``ttft_margin=0.5``, ``decode_cap=false``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import ClassVar
 
 from gateway.core.types import ClusterView, Decision, EngineId, EngineView, RequestInfo
@@ -152,6 +155,7 @@ from gateway.perfmodel.model import PerfModel
 from gateway.policies.base import PolicyBase, PolicyContext
 from gateway.policies.inflight import InFlightContext, RoutedWork
 from gateway.policies.output_predictor import OutputPredictor
+from gateway.policies.predicted_ttft_config import PredictedTtftConfig, Prediction, Prices
 from gateway.policies.prefix_index import PrefixIndex
 from gateway.policies.ttft_estimate import (
     admission_wait_s,
@@ -162,110 +166,11 @@ from gateway.policies.ttft_estimate import (
     wait_s,
 )
 
+__all__ = ["PredictedTtftConfig", "PredictedTtftPolicy", "Prediction", "Prices"]
+
 _FALLBACK_PERF = PerfModel(name="predicted-ttft-default", prefill_a=4.21, prefill_b=0.1084)
 _DEFAULT_INDEX_BLOCKS = 31_250  # ~500k tokens of 16 when an engine reports no KV size
 _MAX_INDEX_BLOCKS = 1 << 22
-
-
-@dataclass(frozen=True, slots=True)
-class PredictedTtftConfig:
-    work_weight: float = 4.0
-    decode_aware: bool = True
-    decode_in_cost: bool = True
-    tpot_headroom: float = 1.0
-    duty_window_s: float = 30.0
-    decode_weight: float = 1.0
-    harm_weight: float = 1.0
-    """Price the decodes running on an engine wait out the prefill a choice adds there,
-    in proportion to the TPOT headroom it uses (0: off)."""
-    harm_past_target: float = 0.5
-    """Share of each running decode's wait counted where the engine's TPOT is already past
-    its target (1: all of it). Counted in full, it kept new prompts off every engine past
-    target and made the others' queues the tail (small pools, issue 24)."""
-    evict_weight: float = 3.0
-    reuse_window: int = 256
-    share_slack: float = 0.2
-    share_weight: float = 10.0
-    share_window: int = 32
-    max_utilisation: float = 0.9
-    busy_window: int = 32
-    tie_s: float = 0.005
-    index_blocks: int = 0
-    precise: bool = False
-    """Correct the routed-prompt index with the engines' KV events (stored, removed, cleared)."""
-    wait_bound: float = 1.0
-    kv_admission: bool = True
-    """Add to an engine's wait the time its KV cache needs to make room for the request
-    (:func:`~gateway.policies.ttft_estimate.admission_wait_s`)."""
-    decode_cap: bool = False
-    """Count the cost's decode term at most at the TPOT target (``out x min(tpot, target)``):
-    with ``tpot_mean_filter``, the remedy measured for 70B pools with 8,192-token chunks."""
-    tpot_mean_filter: bool = False
-    """Judge TPOT feasibility on the mean over a long decode, the duty cycle read as a share
-    of time (:func:`~gateway.policies.ttft_estimate.tpot_s` with ``mean``), not of steps."""
-    tpot_quantile: float = 0.0
-    """Judge TPOT feasibility on this quantile of the request's mean TPOT over its predicted
-    output (:func:`~gateway.policies.ttft_estimate.tpot_quantile_s`); 0: the steps' reading."""
-    tpot_after_prefill: bool = True
-    """Judge an engine's TPOT feasibility with the prefill this choice adds beyond the least
-    any engine needs added to its duty cycle: the decodes running there share their steps
-    with that prefill."""
-
-    def __post_init__(self) -> None:
-        if min(self.work_weight, self.decode_weight, self.harm_weight, self.tie_s,
-               self.wait_bound) < 0:  # fmt: skip
-            raise ValueError(
-                "work_weight, decode_weight, harm_weight, tie_s and wait_bound must be >= 0"
-            )
-        if not 0.0 <= self.harm_past_target <= 1.0:
-            raise ValueError("harm_past_target must be within [0, 1]")
-        if not 0.0 < self.max_utilisation < 1.0:
-            raise ValueError("max_utilisation must be within (0, 1)")
-        if self.index_blocks < 0:
-            raise ValueError("index_blocks must be >= 0")
-        if self.evict_weight < 0 or self.reuse_window <= 0:
-            raise ValueError("evict_weight must be >= 0, reuse_window > 0")
-        if not 0.0 <= self.tpot_quantile < 1.0:
-            raise ValueError("tpot_quantile must be within [0, 1)")
-        if self.share_slack < 0 or self.share_weight < 0 or self.share_window <= 0:
-            raise ValueError("share_slack and share_weight must be >= 0, share_window > 0")
-
-
-@dataclass(frozen=True, slots=True)
-class Prediction:
-    """One engine's price for a request."""
-
-    engine: EngineView
-    ttft_s: float
-    work_s: float
-    hit_tokens: int
-    tpot_s: float = 0.0
-    cost: float = 0.0
-    tpot_after_s: float = 0.0
-    """The TPOT feasibility is judged on: ``tpot_s``, or where decodes run, theirs once the
-    prefill this choice adds beyond the least any engine needs joins their steps."""
-    slowdown: float = 1.0
-    """How much longer the request's prefill takes in a step shared with the running decodes."""
-
-
-@dataclass(frozen=True, slots=True)
-class Prices:
-    """The per-decision factors of every engine's cost (see the module's step 4)."""
-
-    out: float
-    """The request's predicted output tokens."""
-    u: float
-    """The cluster's busy share (engines with prefill queued), capped."""
-    work: float
-    """Seconds of later requests' time per second of prefill: ``work_weight u / (1 - u)``."""
-    evict: float
-    """Seconds per second of evicted prefill: ``evict_weight reuse (1 + work)``."""
-    mean_running: float
-    full_s: float
-    """The request's cold prefill time."""
-    fair: float
-    """An engine's fair share of requests."""
-    tpot_limit: float
 
 
 class PredictedTtftPolicy(PolicyBase):
@@ -431,7 +336,9 @@ class PredictedTtftPolicy(PolicyBase):
             slack = self.config.wait_bound * self.perf.prefill_time(req.prompt_tokens, 0)
             limit = max(slo, floor + slack + self.config.tie_s)
             pool = [p for p in rows if p.ttft_s <= limit]
-        feasible = [p for p in pool if p.ttft_s <= slo and p.tpot_after_s <= tpot_limit] or pool
+        ok = [p for p in pool if p.ttft_s <= slo and p.tpot_after_s <= tpot_limit]
+        safe = [p for p in ok if p.ttft_s <= slo * self.config.ttft_margin]
+        feasible = safe or ok or pool
         best = min(p.cost for p in feasible)
         near = [p for p in feasible if p.cost <= best + self.config.tie_s]
         order = {p.engine.id: i for i, p in enumerate(rows)}
