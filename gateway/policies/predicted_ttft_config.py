@@ -34,6 +34,8 @@ class PredictedTtftConfig:
     precise: bool = False
     """Correct the routed-prompt index with the engines' KV events (stored, removed, cleared)."""
     wait_bound: float = 1.0
+    wait_cap: float = 0.3
+    """Cap the aging slack at this share of the TTFT target (0: the cold prefill alone)."""
     kv_admission: bool = True
     """Add to an engine's wait the time its KV cache needs to make room for the request
     (:func:`~gateway.policies.ttft_estimate.admission_wait_s`)."""
@@ -67,6 +69,8 @@ class PredictedTtftConfig:
             raise ValueError("index_blocks must be >= 0")
         if self.evict_weight < 0 or self.reuse_window <= 0:
             raise ValueError("evict_weight must be >= 0, reuse_window > 0")
+        if self.wait_cap < 0:
+            raise ValueError("wait_cap must be >= 0")
         if not 0.0 < self.ttft_margin <= 1.0:
             raise ValueError("ttft_margin must be within (0, 1]")
         if not 0.0 <= self.tpot_quantile < 1.0:

@@ -253,6 +253,24 @@ def test_a_long_prompt_is_not_priced_behind_a_deep_queue_by_a_stream_of_short_on
         assert d.route(long, v, 100.0).engine == expected, bound
 
 
+@pytest.mark.parametrize(("cap", "expected"), [(0.3, "e0"), (0.0, "e1"), (None, "e0")])
+def test_a_long_prompt_waits_beyond_the_least_wait_engine_at_most_a_share_of_its_target(
+    cap: float | None, expected: str
+) -> None:
+    """The case above with ~3 s of queue on e1 (28,000 tokens): within the 60,000-token
+    prompt's own cold prefill (~6.5 s) of the least wait, so the share penalty alone would send
+    it there; the aging slack is also capped at ``wait_cap`` x the 5 s TTFT target (1.5 s), so
+    it starts at once on e0. Such prompts miss their target anywhere: every second they are
+    steered is tail (a Mooncake trace on 8 A6000 engines at its own rate: TTFT p99 8.9 s
+    against least_loaded's 7.6, 7.3 with the cap). (None: the default.)"""
+    long = req("long", tuple(range(5000, 5000 + 3750)))  # 60,000 tokens
+    _, d = make() if cap is None else make(wait_cap=cap)
+    for i in range(100):
+        warm(d, req(f"s{i}", (9000 + i,)), "e0", 2, now=float(i))
+    v = view(ev(0), ev(1, pending_prefill_tokens=28_000))
+    assert d.route(long, v, 100.0).engine == expected
+
+
 def test_a_full_kv_cache_holds_a_new_prompt_until_running_sequences_finish() -> None:
     """e0 holds the document's 8,000 tokens and has no prefill queued, but its KV cache is
     99.9 % full: the 4,000 new tokens of a follow-up wait there for running sequences to
