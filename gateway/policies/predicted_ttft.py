@@ -50,7 +50,8 @@ Dynamo, ``../shared/docs/anchors.md``):
    size. Prompts whose cold prefill alone exceeds the target miss it anywhere,
    and every second they are steered is tail: without the cap, the Mooncake
    trace on 8 A6000 engines at its own rate (2,000 requests) had TTFT p99 8.9
-   s against least_loaded's 7.6 (7.3 with it). The prices below (work, share,
+   s against least_loaded's 7.6 (7.3 with it), for A6000 chat 1.20 -> 1.15 and
+   chat_burst 1.16 -> 1.10 of the best baseline over 8 draws. The prices below (work, share,
    eviction) are all seconds of other requests' time and grow with the
    prompt: on an overloaded pool (8 A6000 engines, bursty ``gen:chat`` at 5.0
    req/s, past capacity) they sent 31 % of the requests to engines predicted 6.6 s slower
