@@ -13,6 +13,8 @@
    default policy on a 3-engine view (``timeit``, best of 5 repeats).
 
     python -m benchmarks.speed.decision_time [--trace PATH] [--limit 3000] [--policies ...]
+
+``--policies`` takes registry names or ``name:key=v;key=v`` (a policy with its knobs).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import timeit
 from pathlib import Path
 
 from benchmarks.common import benchmark_parser, mooncake_trace
+from benchmarks.quality.diagnose import parse_policy
 from gateway.config import PolicyConfig
 from gateway.core.types import ClusterView, EngineView, RequestInfo
 from gateway.observability import GatewayMetrics
@@ -50,11 +53,12 @@ def policy_decisions(trace: Path, limit: int, policies: list[str]) -> None:
         f"(longest prompt {longest:,} tokens), 8 x {DEFAULT_PRESET}"
     )
     print(f"  {'policy':<17} {'p50':>7} {'p99':>8} {'max':>8}")
-    for name in policies:
-        run = run_policy(name, workload, cluster, timer=time.perf_counter)
+    for spec in policies:  # a registry name, or name:key=v;key=v
+        name, options = parse_policy(spec)
+        run = run_policy(name, workload, cluster, options=options, timer=time.perf_counter)
         us = [s * 1e6 for s in run.decision_seconds]
         p50, p99 = percentile(us, 50) or 0.0, percentile(us, 99) or 0.0
-        print(f"  {name:<17} {p50:7.1f} {p99:8.1f} {max(us):8.1f}", flush=True)
+        print(f"  {spec:<17} {p50:7.1f} {p99:8.1f} {max(us):8.1f}", flush=True)
 
 
 def best_us(stmt: object, number: int = 20_000) -> float:
