@@ -324,3 +324,8 @@ def test_a_miss_is_not_tpot_feasible_where_its_prefill_would_slow_the_decodes_pa
     assert rows["e0"].tpot_s > limit >= rows["e1"].tpot_s  # the premise
     assert (rows["e1"].tpot_after_s > limit) == after_prefill
     assert d.route(q, v, 60.0).engine == expected
+
+
+def test_wait_cap_is_validated() -> None:
+    with pytest.raises(ConfigError, match="wait_cap"):
+        make(wait_cap=-0.1)
