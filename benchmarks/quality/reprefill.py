@@ -1,8 +1,8 @@
 """Why predicted_ttft prefills a cached prompt again: the decisions that send a request away
 from the engine holding most of its prompt (the chosen engine's hit below half the best hit,
 the best hit over half the prompt), each counted by what left the holder out: the aging bound,
-the TTFT or TPOT target (the filter), a cost tie, or a higher cost; for the last, the mean
-difference of each cost term (chosen minus holder).
+the TTFT or TPOT target (the filter), the TTFT margin, a cost tie, or a higher cost; for the
+last, the mean difference of each cost term (chosen minus holder).
 
     python -m benchmarks.quality.reprefill WORKLOAD RATE [--requests 2000] [--preset P]
         [--options key=v;key=v]
@@ -18,10 +18,10 @@ from typing import cast
 
 from benchmarks.common import benchmark_parser
 from benchmarks.quality.diagnose import parse_policy
-from benchmarks.quality.steering import SteeringLog, parse_option
+from benchmarks.quality.steering import SteeringLog
 from gateway.core.types import ClusterView, Decision, RequestInfo
 from gateway.perfmodel.presets import load_preset
-from gateway.policies.base import Policy, PolicyContext
+from gateway.policies.base import Policy, PolicyContext, build_config
 from gateway.policies.predicted_ttft import PredictedTtftConfig, PredictedTtftPolicy, Prediction
 from gateway.sim.loop import ClusterSpec, Simulation
 from gateway.sim.metrics import slo_attainment, summarize
@@ -38,23 +38,33 @@ class ReprefillLog(SteeringLog):
         self.diff: dict[str, float] = defaultdict(float)
 
     def _excluded_by(self, holder: Prediction, req: RequestInfo, rows: list[Prediction]) -> str:
+        """Which of ``decide``'s sets left ``holder`` out ("" when it was a candidate)."""
         cfg = self.config
         slo = req.slo.ttft_s
+        pool = rows
         if cfg.wait_bound > 0:
             floor = min(p.ttft_s for p in rows)
             slack = cfg.wait_bound * self.perf.prefill_time(req.prompt_tokens, 0)
-            if holder.ttft_s > max(slo, floor + slack + cfg.tie_s):
+            if cfg.wait_cap > 0:
+                slack = min(slack, cfg.wait_cap * slo)
+            limit = max(slo, floor + slack + cfg.tie_s)
+            if holder.ttft_s > limit:
                 return "aging bound"
-        limit = req.slo.tpot_s * cfg.tpot_headroom
-        if any(p.ttft_s <= slo and p.tpot_after_s <= limit for p in rows):
-            if holder.ttft_s > slo:
-                return "TTFT filter"
-            if holder.tpot_after_s > limit:
-                return "TPOT filter"
+            pool = [p for p in rows if p.ttft_s <= limit]
+        tpot_limit = req.slo.tpot_s * cfg.tpot_headroom
+        ok = [p for p in pool if p.ttft_s <= slo and p.tpot_after_s <= tpot_limit]
+        if ok and holder not in ok:
+            return "TTFT filter" if holder.ttft_s > slo else "TPOT filter"
+        safe = [p for p in ok if p.ttft_s <= slo * cfg.ttft_margin]
+        if safe and holder not in safe:
+            return "TTFT margin"
         return ""
 
     def decide(self, req: RequestInfo, view: ClusterView, now: float) -> Decision:
         rows = self.predict(req, view, now)
+        prices = self.prices(
+            req, rows, float(req.predicted_output_tokens or self.outputs.predict(req))
+        )
         decision = PredictedTtftPolicy.decide(self, req, view, now)
         self.decisions += 1
         best = max(p.hit_tokens for p in rows)
@@ -67,7 +77,8 @@ class ReprefillLog(SteeringLog):
                 why = "tie" if holder.cost <= chosen.cost + self.config.tie_s else "cost"
             self.why[why] += 1
             if why == "cost":
-                a, b = self._terms(chosen, req, rows), self._terms(holder, req, rows)
+                a = self.cost_terms(chosen, req, prices)
+                b = self.cost_terms(holder, req, prices)
                 for k in a:
                     self.diff[k] += a[k] - b[k]
         return decision
@@ -87,10 +98,9 @@ def main() -> None:
     wl = wl.scaled(args.rate / wl.rate)
     cluster = ClusterSpec(args.instances, load_preset(args.preset))
     _, opts = parse_policy("x:" + args.options) if args.options else ("", None)
-    defaults = PredictedTtftConfig()
-    kw = {k: parse_option(getattr(defaults, k), v) for k, v in (opts or {}).items()}
+    config = build_config(PredictedTtftConfig, opts, "predicted_ttft")
     ctx = PolicyContext(seed=0, block_size=wl.block_size, perf=cluster.perf)
-    policy = ReprefillLog(ctx, PredictedTtftConfig(**kw))
+    policy = ReprefillLog(ctx, config)
     run = Simulation(cluster, cast(Policy, policy), wl).run()
     s = summarize(run)
     print(
