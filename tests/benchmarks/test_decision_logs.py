@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from benchmarks.quality import reprefill, steering
+from benchmarks.quality import reprefill, steering, ttft_error
 
 WORKLOAD = "gen:long_doc_qa?docs=20&n=80&rate=8&seed=1"
 
@@ -50,3 +50,13 @@ def test_steering_reports_the_decisions_it_counted(capsys: pytest.CaptureFixture
     out = _run(steering.main, [WORKLOAD, "1", "--requests", "80", "--margin", "0"], capsys)
     m = re.search(r"(\d+) of (\d+) decisions went to an engine", out)
     assert m and int(m[2]) == 80, out
+
+
+def test_ttft_error_puts_every_served_request_in_one_kv_band(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = _run(ttft_error.main, ["gen:agent?n=80&seed=1", "9", "--requests", "80"], capsys)
+    bands = [int(n) for n in re.findall(r"at the decision:\s+(\d+) requests", out)]
+    m = re.search(r"(\d+) of (\d+) served requests missed the TTFT target", out)
+    assert bands and m, out
+    assert sum(bands) == int(m[2]) and 0 < int(m[2]) <= 80, out
