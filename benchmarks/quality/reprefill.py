@@ -39,32 +39,18 @@ class ReprefillLog(SteeringLog):
 
     def _excluded_by(self, holder: Prediction, req: RequestInfo, rows: list[Prediction]) -> str:
         """Which of ``decide``'s sets left ``holder`` out ("" when it was a candidate)."""
-        cfg = self.config
-        slo = req.slo.ttft_s
-        pool = rows
-        if cfg.wait_bound > 0:
-            floor = min(p.ttft_s for p in rows)
-            slack = cfg.wait_bound * self.perf.prefill_time(req.prompt_tokens, 0)
-            if cfg.wait_cap > 0:
-                slack = min(slack, cfg.wait_cap * slo)
-            limit = max(slo, floor + slack + cfg.tie_s)
-            if holder.ttft_s > limit:
-                return "aging bound"
-            pool = [p for p in rows if p.ttft_s <= limit]
-        tpot_limit = req.slo.tpot_s * cfg.tpot_headroom
-        ok = [p for p in pool if p.ttft_s <= slo and p.tpot_after_s <= tpot_limit]
-        if ok and holder not in ok:
-            return "TTFT filter" if holder.ttft_s > slo else "TPOT filter"
-        safe = [p for p in ok if p.ttft_s <= slo * cfg.ttft_margin]
-        if safe and holder not in safe:
+        sets = self.candidates(req, rows)
+        if holder not in sets.pool:
+            return "aging bound"
+        if sets.ok and holder not in sets.ok:
+            return "TTFT filter" if holder.ttft_s > req.slo.ttft_s else "TPOT filter"
+        if sets.safe and holder not in sets.safe:
             return "TTFT margin"
         return ""
 
     def decide(self, req: RequestInfo, view: ClusterView, now: float) -> Decision:
         rows = self.predict(req, view, now)
-        prices = self.prices(
-            req, rows, float(req.predicted_output_tokens or self.outputs.predict(req))
-        )
+        prices = self.prices(req, rows, self.predicted_output(req))
         decision = PredictedTtftPolicy.decide(self, req, view, now)
         self.decisions += 1
         best = max(p.hit_tokens for p in rows)

@@ -41,8 +41,7 @@ class SteeringLog(PredictedTtftPolicy):
 
     def decide(self, req: RequestInfo, view: ClusterView, now: float) -> Decision:
         rows = self.predict(req, view, now)
-        out = float(req.predicted_output_tokens or self.outputs.predict(req))
-        prices = self.prices(req, rows, out)
+        prices = self.prices(req, rows, self.predicted_output(req))
         decision = super().decide(req, view, now)
         self.decisions += 1
         least = min(rows, key=lambda p: p.ttft_s)

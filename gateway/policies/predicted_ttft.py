@@ -161,7 +161,12 @@ from gateway.perfmodel.model import PerfModel
 from gateway.policies.base import PolicyBase, PolicyContext
 from gateway.policies.inflight import InFlightContext, RoutedWork
 from gateway.policies.output_predictor import OutputPredictor
-from gateway.policies.predicted_ttft_config import PredictedTtftConfig, Prediction, Prices
+from gateway.policies.predicted_ttft_config import (
+    Candidates,
+    PredictedTtftConfig,
+    Prediction,
+    Prices,
+)
 from gateway.policies.prefix_index import PrefixIndex
 from gateway.policies.ttft_estimate import (
     admission_wait_s,
@@ -172,7 +177,7 @@ from gateway.policies.ttft_estimate import (
     wait_s,
 )
 
-__all__ = ["PredictedTtftConfig", "PredictedTtftPolicy", "Prediction", "Prices"]
+__all__ = ["Candidates", "PredictedTtftConfig", "PredictedTtftPolicy", "Prediction", "Prices"]
 
 _FALLBACK_PERF = PerfModel(name="predicted-ttft-default", prefill_a=4.21, prefill_b=0.1084)
 _DEFAULT_INDEX_BLOCKS = 31_250  # ~500k tokens of 16 when an engine reports no KV size
@@ -221,7 +226,7 @@ class PredictedTtftPolicy(PolicyBase):
         cap = max(0, req.prompt_tokens - 1)
         rows: list[Prediction] = []
         decoding: list[tuple[float, int, float]] = []  # each row's duty, context, slowdown
-        out = float(req.predicted_output_tokens or self.outputs.predict(req))
+        out = self.predicted_output(req)
         for e in view.healthy():
             hit = min(matched.get(e.id, 0) * req.block_size, cap)
             ctx = self.flight.attended(self.perf, e, req.prompt_tokens)
@@ -257,6 +262,10 @@ class PredictedTtftPolicy(PolicyBase):
         self._reuse_seen = max(p.hit_tokens for p in rows) / max(1, req.prompt_tokens)
         prices = self.prices(req, rows, out)
         return [replace(p, cost=sum(self.cost_terms(p, req, prices).values())) for p in rows]
+
+    def predicted_output(self, req: RequestInfo) -> float:
+        """The request's predicted output tokens: its own hint, else learnt per prefix."""
+        return float(req.predicted_output_tokens or self.outputs.predict(req))
 
     def _judged_tpot(
         self, e: EngineView, req: RequestInfo, duty: float, ctx: int, out: float
@@ -327,6 +336,24 @@ class PredictedTtftPolicy(PolicyBase):
         share = self._share.get(engine, 0.0)
         return max(0.0, share / fair - 1.0 - self.config.share_slack)
 
+    def candidates(self, req: RequestInfo, rows: Sequence[Prediction]) -> Candidates:
+        """Step 3's sets of ``rows`` (``predict``'s, at least one): within the aging bound,
+        feasible among those, safe among those."""
+        cfg = self.config
+        slo = req.slo.ttft_s
+        pool = list(rows)
+        if cfg.wait_bound > 0:  # aging: its wait bounded by its size, beyond the target
+            floor = min(p.ttft_s for p in rows)
+            slack = cfg.wait_bound * self.perf.prefill_time(req.prompt_tokens, 0)
+            if cfg.wait_cap > 0:
+                slack = min(slack, cfg.wait_cap * slo)
+            limit = max(slo, floor + slack + cfg.tie_s)
+            pool = [p for p in rows if p.ttft_s <= limit]
+        tpot_limit = req.slo.tpot_s * cfg.tpot_headroom
+        ok = [p for p in pool if p.ttft_s <= slo and p.tpot_after_s <= tpot_limit]
+        safe = [p for p in ok if p.ttft_s <= slo * cfg.ttft_margin]
+        return Candidates(pool, ok, safe)
+
     def decide(self, req: RequestInfo, view: ClusterView, now: float) -> Decision:
         for e in view.engines:
             if e.kv_capacity_blocks:
@@ -334,19 +361,8 @@ class PredictedTtftPolicy(PolicyBase):
         self._clock = max(self._clock, now)
         rows = self.predict(req, view, now)
         self._engines = len(rows)
-        slo = req.slo.ttft_s
-        tpot_limit = req.slo.tpot_s * self.config.tpot_headroom
-        pool = rows
-        if self.config.wait_bound > 0:  # aging: its wait bounded by its size, beyond the target
-            floor = min(p.ttft_s for p in rows)
-            slack = self.config.wait_bound * self.perf.prefill_time(req.prompt_tokens, 0)
-            if self.config.wait_cap > 0:
-                slack = min(slack, self.config.wait_cap * slo)
-            limit = max(slo, floor + slack + self.config.tie_s)
-            pool = [p for p in rows if p.ttft_s <= limit]
-        ok = [p for p in pool if p.ttft_s <= slo and p.tpot_after_s <= tpot_limit]
-        safe = [p for p in ok if p.ttft_s <= slo * self.config.ttft_margin]
-        feasible = safe or ok or pool
+        sets = self.candidates(req, rows)
+        feasible = sets.safe or sets.ok or sets.pool
         best = min(p.cost for p in feasible)
         near = [p for p in feasible if p.cost <= best + self.config.tie_s]
         order = {p.engine.id: i for i, p in enumerate(rows)}

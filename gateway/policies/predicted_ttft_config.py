@@ -114,3 +114,15 @@ class Prices:
     fair: float
     """An engine's fair share of requests."""
     tpot_limit: float
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """The engines one decision chooses among (the module's step 3), each set within the last."""
+
+    pool: list[Prediction]
+    """Within the aging bound of the least-wait engine (all engines with ``wait_bound=0``)."""
+    ok: list[Prediction]
+    """Feasible: meeting the TTFT target and ``tpot_headroom`` x the TPOT target."""
+    safe: list[Prediction]
+    """Feasible and within ``ttft_margin`` x the TTFT target."""
