@@ -1,7 +1,7 @@
 """Capacity over many samples of one workload shape: is a suite cell's ratio the policy or the draw?
 
     python -m benchmarks.quality.samples SPEC --requests N --samples K [--preset P]
-        [--policies a,b:knob=v;knob=v,...] [--jobs 2]
+        [--instances 8] [--policies a,b:knob=v;knob=v,...] [--jobs 2]
 
 A suite cell is one draw of 150-240 requests, where 15-24 misses decide the 90 % line
 and capacities move by up to ±10 % with the search's start. This benchmark draws
@@ -67,12 +67,13 @@ class Job:
     k: int
     preset: str
     policies: tuple[str, ...]
+    instances: int = 8
 
 
 def run_sample(job: Job) -> tuple[int, dict[str, float]]:
     """One sample's capacities (req/s) per policy, searched as the suite does."""
     wl = sample(job.spec, job.requests, job.k)
-    cluster = ClusterSpec(8, load_preset(job.preset))
+    cluster = ClusterSpec(job.instances, load_preset(job.preset))
     sq, _ = shared_queue_capacity(wl, cluster)
     start = wl.scaled(0.7 * sq / wl.rate) if sq > 0 else wl
     caps: dict[str, float] = {"shared_queue": sq}
@@ -145,13 +146,18 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=150)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--preset", default=DEFAULT_PRESET)
+    ap.add_argument("--instances", type=int, default=8, help="engines in the pool (default 8)")
     ap.add_argument("--policies", default=POLICIES)
     ap.add_argument("--jobs", type=int, default=1)
     args = ap.parse_args()
     policies = tuple(p for p in args.policies.split(",") if p)
-    jobs = [Job(args.spec, args.requests, k, args.preset, policies) for k in range(args.samples)]
+    jobs = [
+        Job(args.spec, args.requests, k, args.preset, policies, args.instances)
+        for k in range(args.samples)
+    ]
     caps = dict(pool_map(run_sample, jobs, args.jobs))
-    print(f"{args.spec}: {args.samples} samples of {args.requests} requests, 8 × {args.preset}")
+    pool = f"{args.instances} × {args.preset}"
+    print(f"{args.spec}: {args.samples} samples of {args.requests} requests, {pool}")
     print(render(caps, policies))
     idle = sorted(k for k, row in caps.items() if row["shared_queue"] <= 0)
     if idle:

@@ -70,3 +70,11 @@ def test_samples_no_router_can_serve_are_left_out() -> None:
     assert "| p | 1.50 / 1.50 / 1 of 1 | 1.50 / 1.50 / 1 of 1 | 90.0% | 80.0% |" in table
     none = {1: caps[1]}
     assert "| p | — | — | — | — |" in samples.render(none, ["p", "least_loaded"])
+
+
+def test_instances_size_the_pool_each_sample_runs_on() -> None:
+    """``--instances``: the shared-queue bound of one engine serves less than that of four."""
+    spec = "gen:no_sharing?n=40&seed={seed}&prompt_tokens=2000"
+    one = samples.run_sample(samples.Job(spec, 40, 0, "mistral-7b-a6000", (), instances=1))
+    four = samples.run_sample(samples.Job(spec, 40, 0, "mistral-7b-a6000", (), instances=4))
+    assert four[1]["shared_queue"] > 2 * one[1]["shared_queue"] > 0
