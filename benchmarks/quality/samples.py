@@ -1,7 +1,7 @@
 """Capacity over many samples of one workload shape: is a suite cell's ratio the policy or the draw?
 
     python -m benchmarks.quality.samples SPEC --requests N --samples K [--preset P]
-        [--instances 8] [--policies a,b:knob=v;knob=v,...] [--jobs 2]
+        [--instances 8] [--ttft-slo 5 --tpot-slo 0.1] [--policies a,b:knob=v;knob=v,...] [--jobs 2]
 
 A suite cell is one draw of 150-240 requests, where 15-24 misses decide the 90 % line
 and capacities move by up to ±10 % with the search's start. This benchmark draws
@@ -37,7 +37,7 @@ from gateway.sim.loop import ClusterSpec
 from gateway.sim.metrics import slo_attainment
 from gateway.sim.runner import capacity_search, run_policy
 from gateway.sim.shared_queue import shared_queue_capacity
-from gateway.sim.workloads import Workload, WorkloadOptions, load_workload
+from gateway.sim.workloads import Workload, WorkloadOptions, builtin_slo_classes, load_workload
 
 POLICIES = "predicted_ttft,least_loaded,cache_aware,kv_cost,weighted_scorer,preble,dualmap"
 TIE = 0.97
@@ -46,12 +46,14 @@ LOADS = (0.75, 1.0)
 """Attainment is also measured at these fractions of each sample's shared-queue capacity."""
 
 
-def sample(spec: str, requests: int, k: int) -> Workload:
-    """Sample ``k``: seed ``k`` of a ``{seed}`` spec, else the ``k``-th window of the trace."""
+def sample(spec: str, requests: int, k: int, slo: tuple[float, float] = (5.0, 0.1)) -> Workload:
+    """Sample ``k``: seed ``k`` of a ``{seed}`` spec, else the ``k``-th window of the trace;
+    ``slo``: the standard class's (TTFT, TPOT) targets in seconds."""
+    classes = builtin_slo_classes(*slo)
     if "{seed}" in spec:
-        wl = load_workload(spec.format(seed=k), WorkloadOptions(limit=requests, seed=k))
-        return wl.head(requests)
-    wl = load_workload(spec, WorkloadOptions(limit=requests * (k + 1)))
+        opts = WorkloadOptions(limit=requests, seed=k, slo_classes=classes)
+        return load_workload(spec.format(seed=k), opts).head(requests)
+    wl = load_workload(spec, WorkloadOptions(limit=requests * (k + 1), slo_classes=classes))
     window = wl.requests[requests * k : requests * (k + 1)]
     if len(window) < requests:
         raise SystemExit(f"{spec} has {len(wl)} requests: no window {k} of {requests}")
@@ -68,11 +70,12 @@ class Job:
     preset: str
     policies: tuple[str, ...]
     instances: int = 8
+    slo: tuple[float, float] = (5.0, 0.1)
 
 
 def run_sample(job: Job) -> tuple[int, dict[str, float]]:
     """One sample's capacities (req/s) per policy, searched as the suite does."""
-    wl = sample(job.spec, job.requests, job.k)
+    wl = sample(job.spec, job.requests, job.k, job.slo)
     cluster = ClusterSpec(job.instances, load_preset(job.preset))
     sq, _ = shared_queue_capacity(wl, cluster)
     start = wl.scaled(0.7 * sq / wl.rate) if sq > 0 else wl
@@ -147,16 +150,19 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--preset", default=DEFAULT_PRESET)
     ap.add_argument("--instances", type=int, default=8, help="engines in the pool (default 8)")
+    ap.add_argument("--ttft-slo", type=float, default=5.0, help="TTFT target, s (default 5)")
+    ap.add_argument("--tpot-slo", type=float, default=0.1, help="TPOT target, s (default 0.1)")
     ap.add_argument("--policies", default=POLICIES)
     ap.add_argument("--jobs", type=int, default=1)
     args = ap.parse_args()
     policies = tuple(p for p in args.policies.split(",") if p)
+    slo = (args.ttft_slo, args.tpot_slo)
     jobs = [
-        Job(args.spec, args.requests, k, args.preset, policies, args.instances)
+        Job(args.spec, args.requests, k, args.preset, policies, args.instances, slo)
         for k in range(args.samples)
     ]
     caps = dict(pool_map(run_sample, jobs, args.jobs))
-    pool = f"{args.instances} × {args.preset}"
+    pool = f"{args.instances} × {args.preset}, SLO {args.ttft_slo:g} s / {args.tpot_slo:g} s"
     print(f"{args.spec}: {args.samples} samples of {args.requests} requests, {pool}")
     print(render(caps, policies))
     idle = sorted(k for k, row in caps.items() if row["shared_queue"] <= 0)

@@ -78,3 +78,12 @@ def test_instances_size_the_pool_each_sample_runs_on() -> None:
     one = samples.run_sample(samples.Job(spec, 40, 0, "mistral-7b-a6000", (), instances=1))
     four = samples.run_sample(samples.Job(spec, 40, 0, "mistral-7b-a6000", (), instances=4))
     assert four[1]["shared_queue"] > 2 * one[1]["shared_queue"] > 0
+
+
+def test_slo_targets_are_the_ones_every_request_is_judged_on() -> None:
+    """``--ttft-slo``: no rate meets a TTFT target shorter than one prompt's prefill."""
+    spec = "gen:no_sharing?n=40&seed={seed}&prompt_tokens=2000"
+    assert samples.sample(spec, 40, 0, (0.05, 0.2)).requests[0].slo.tpot_s == 0.2
+    tight = samples.run_sample(samples.Job(spec, 40, 0, "mistral-7b-a6000", (), 4, (0.05, 0.1)))
+    usual = samples.run_sample(samples.Job(spec, 40, 0, "mistral-7b-a6000", (), 4))
+    assert tight[1]["shared_queue"] == 0 < usual[1]["shared_queue"]
