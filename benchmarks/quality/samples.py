@@ -1,7 +1,8 @@
 """Capacity over many samples of one workload shape: is a suite cell's ratio the policy or the draw?
 
     python -m benchmarks.quality.samples SPEC --requests N --samples K [--preset P]
-        [--instances 8] [--ttft-slo 5 --tpot-slo 0.1] [--policies a,b:knob=v;knob=v,...] [--jobs 2]
+        [--instances 8] [--ttft-slo 5 --tpot-slo 0.1] [--scrape-interval 0]
+        [--policies a,b:knob=v;knob=v,...] [--jobs 2]
 
 A suite cell is one draw of 150-240 requests, where 15-24 misses decide the 90 % line
 and capacities move by up to ±10 % with the search's start. This benchmark draws
@@ -71,12 +72,15 @@ class Job:
     policies: tuple[str, ...]
     instances: int = 8
     slo: tuple[float, float] = (5.0, 0.1)
+    scrape_interval_s: float = 0.0
 
 
 def run_sample(job: Job) -> tuple[int, dict[str, float]]:
     """One sample's capacities (req/s) per policy, searched as the suite does."""
     wl = sample(job.spec, job.requests, job.k, job.slo)
-    cluster = ClusterSpec(job.instances, load_preset(job.preset))
+    cluster = ClusterSpec(
+        job.instances, load_preset(job.preset), scrape_interval_s=job.scrape_interval_s
+    )
     sq, _ = shared_queue_capacity(wl, cluster)
     start = wl.scaled(0.7 * sq / wl.rate) if sq > 0 else wl
     caps: dict[str, float] = {"shared_queue": sq}
@@ -152,17 +156,25 @@ def main() -> None:
     ap.add_argument("--instances", type=int, default=8, help="engines in the pool (default 8)")
     ap.add_argument("--ttft-slo", type=float, default=5.0, help="TTFT target, s (default 5)")
     ap.add_argument("--tpot-slo", type=float, default=0.1, help="TPOT target, s (default 0.1)")
+    ap.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=0.0,
+        help="policies see engine-reported load as scraped every this many seconds (0: exact)",
+    )
     ap.add_argument("--policies", default=POLICIES)
     ap.add_argument("--jobs", type=int, default=1)
     args = ap.parse_args()
     policies = tuple(p for p in args.policies.split(",") if p)
-    slo = (args.ttft_slo, args.tpot_slo)
+    slo, scrape = (args.ttft_slo, args.tpot_slo), args.scrape_interval
     jobs = [
-        Job(args.spec, args.requests, k, args.preset, policies, args.instances, slo)
+        Job(args.spec, args.requests, k, args.preset, policies, args.instances, slo, scrape)
         for k in range(args.samples)
     ]
     caps = dict(pool_map(run_sample, jobs, args.jobs))
     pool = f"{args.instances} × {args.preset}, SLO {args.ttft_slo:g} s / {args.tpot_slo:g} s"
+    if scrape:
+        pool += f", load scraped every {scrape:g} s"
     print(f"{args.spec}: {args.samples} samples of {args.requests} requests, {pool}")
     print(render(caps, policies))
     idle = sorted(k for k, row in caps.items() if row["shared_queue"] <= 0)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from benchmarks.quality import samples
 
@@ -87,3 +90,20 @@ def test_slo_targets_are_the_ones_every_request_is_judged_on() -> None:
     tight = samples.run_sample(samples.Job(spec, 40, 0, "mistral-7b-a6000", (), 4, (0.05, 0.1)))
     usual = samples.run_sample(samples.Job(spec, 40, 0, "mistral-7b-a6000", (), 4))
     assert tight[1]["shared_queue"] == 0 < usual[1]["shared_queue"]
+
+
+def test_scrape_interval_reaches_the_simulated_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--scrape-interval``: every run of a sample sees load as a scraping gateway would."""
+    seen: list[float] = []
+    real = samples.ClusterSpec
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        cluster = real(*args, **kwargs)
+        seen.append(cluster.scrape_interval_s)
+        return cluster
+
+    monkeypatch.setattr(samples, "ClusterSpec", spy)
+    spec = "gen:no_sharing?n=20&seed={seed}"
+    job = samples.Job(spec, 20, 0, "mistral-7b-a6000", ("least_loaded",), 2, (5.0, 0.1), 1.0)
+    samples.run_sample(job)
+    assert seen == [1.0]
