@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -185,7 +187,7 @@ def start_engine(
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     otlp_port = None
     if otlp:  # spans to an OTLP collector a test runs on this port (tests/vllm/otlp_collector.py)
-        otlp_port = free_port()
+        otlp_port = listen_port()
         args += ["--otlp-traces-endpoint", f"http://127.0.0.1:{otlp_port}"]
         full_env.update(OTEL_SERVICE_NAME=f"vllm-{name}", OTEL_BSP_SCHEDULE_DELAY="200")
     log = logdir / f"{name}.log"
@@ -203,6 +205,28 @@ def start_engine(
     # 1 s after each read, and on a 2-core machine that spinning otherwise starves other engines.
     os.sched_setaffinity(proc.pid, parse_cores(cores))
     return Engine(name, f"http://127.0.0.1:{port}", proc, log, events, replay, otlp_port)
+
+
+def listen_port() -> int:
+    """A free port below the kernel's ephemeral range, for a listener that binds it later.
+
+    A port from :func:`free_port` is ephemeral: until its listener binds it (an OTLP collector
+    starts minutes after the engines that export to it), any process's outgoing connection or
+    bind to port 0 may take it ("Address already in use")."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10_000, max(10_001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    return free_port()
 
 
 def wait_healthy(engines: list[Engine], timeout: float = START_TIMEOUT_S) -> None:

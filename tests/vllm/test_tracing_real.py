@@ -16,13 +16,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import MODEL, Fleet, start_gateway
+from conftest import MODEL, Fleet, listen_port, start_gateway
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from otlp_collector import CollectedSpan, OtlpCollector
-
-from gateway.cli.demo import free_port
 
 pytestmark = pytest.mark.vllm
 PROMPT = "a prompt long enough to be worth prefilling on its own engine " * 12
@@ -32,7 +30,7 @@ PROMPT = "a prompt long enough to be worth prefilling on its own engine " * 12
 def collector(fleet: Fleet) -> Iterator[OtlpCollector]:
     """On the ports the prefill and decode engines export to, and one for kvgate."""
     assert fleet.prefill.otlp_port and fleet.decode.otlp_port
-    c = OtlpCollector([fleet.prefill.otlp_port, fleet.decode.otlp_port, free_port()])
+    c = OtlpCollector([fleet.prefill.otlp_port, fleet.decode.otlp_port, listen_port()])
     try:
         yield c
     finally:
