@@ -43,11 +43,13 @@ from gateway.sim.workloads import Workload, WorkloadOptions, builtin_slo_classes
 POLICIES = "predicted_ttft,least_loaded,cache_aware,kv_cost,weighted_scorer,preble,dualmap"
 TIE = 0.97
 """A ratio at or above this counts as "not below" (the suite's ±0.03 ties)."""
+STANDARD_SLO = (5.0, 0.1)
+"""The standard SLO class's (TTFT, TPOT) targets in seconds unless ``--ttft-slo``/``--tpot-slo``."""
 LOADS = (0.75, 1.0)
 """Attainment is also measured at these fractions of each sample's shared-queue capacity."""
 
 
-def sample(spec: str, requests: int, k: int, slo: tuple[float, float] = (5.0, 0.1)) -> Workload:
+def sample(spec: str, requests: int, k: int, slo: tuple[float, float] = STANDARD_SLO) -> Workload:
     """Sample ``k``: seed ``k`` of a ``{seed}`` spec, else the ``k``-th window of the trace;
     ``slo``: the standard class's (TTFT, TPOT) targets in seconds."""
     classes = builtin_slo_classes(*slo)
@@ -71,7 +73,7 @@ class Job:
     preset: str
     policies: tuple[str, ...]
     instances: int = 8
-    slo: tuple[float, float] = (5.0, 0.1)
+    slo: tuple[float, float] = STANDARD_SLO
     scrape_interval_s: float = 0.0
 
 
@@ -154,8 +156,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--preset", default=DEFAULT_PRESET)
     ap.add_argument("--instances", type=int, default=8, help="engines in the pool (default 8)")
-    ap.add_argument("--ttft-slo", type=float, default=5.0, help="TTFT target, s (default 5)")
-    ap.add_argument("--tpot-slo", type=float, default=0.1, help="TPOT target, s (default 0.1)")
+    ap.add_argument("--ttft-slo", type=float, default=STANDARD_SLO[0], help="TTFT target, s")
+    ap.add_argument("--tpot-slo", type=float, default=STANDARD_SLO[1], help="TPOT target, s")
     ap.add_argument(
         "--scrape-interval",
         type=float,
