@@ -38,4 +38,4 @@ elif [ -x /etc/init.d/prometheus ]; then
   "${SUDO[@]}" /etc/init.d/prometheus stop >/dev/null 2>&1 || true
 fi
 
-promtool --version 2>&1 | head -n 1
+promtool --version 2>&1 | sed -n 1p

@@ -9,4 +9,4 @@ if command -v haproxy >/dev/null 2>&1; then
   exit 0
 fi
 "$(dirname "$0")/apt_install.sh" haproxy
-haproxy -v | head -1
+haproxy -v | sed -n 1p  # sed reads it all: head would close the pipe early (SIGPIPE, rc 141 under pipefail)
