@@ -27,6 +27,10 @@ class PredictedTtftConfig:
     share_slack: float = 0.2
     share_weight: float = 10.0
     share_window: int = 32
+    share_prefix_only: bool = True
+    """Charge the share penalty only on an engine holding more of a prefix that more than a
+    fair share of recent traffic begins with than the engine holding least of it (a system
+    prompt cached on few engines), not on a hit only one conversation wants, nor on a miss."""
     max_utilisation: float = 0.9
     busy_window: int = 32
     tie_s: float = 0.005
@@ -94,6 +98,8 @@ class Prediction:
     prefill this choice adds beyond the least any engine needs joins their steps."""
     slowdown: float = 1.0
     """How much longer the request's prefill takes in a step shared with the running decodes."""
+    shared_blocks: int = 0
+    """Blocks of the request's widely shared prefix (see ``share_prefix_only``) held here."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +120,8 @@ class Prices:
     fair: float
     """An engine's fair share of requests."""
     tpot_limit: float
+    shared_floor: int = 0
+    """The fewest blocks of the request's widely shared prefix any engine holds."""
 
 
 @dataclass(frozen=True, slots=True)

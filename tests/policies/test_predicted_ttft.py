@@ -201,6 +201,25 @@ def test_a_prefix_every_request_shares_does_not_pile_on_one_engine(
         assert busiest > 0.9, counts
 
 
+@pytest.mark.parametrize(("prefix_only", "expected"), [(True, "e0"), (False, "e1")])
+def test_a_conversation_keeps_its_own_history_on_a_busy_engine(
+    prefix_only: bool, expected: str
+) -> None:
+    """e0 took the last 40 requests (its share far above a fair quarter) and holds one
+    conversation's 3,200-token history, which no other recent request began with. Its next
+    turn stays there: the share penalty guards against a prefix most traffic shares, not a hit
+    only one conversation wants. Charged on every hit, the penalty (10 cold prefills per excess
+    share) sends it to prefill the history again on an idle engine."""
+    _, d = make(share_prefix_only=prefix_only)
+    for i in range(40):
+        warm(d, req(f"o{i}", (7_000 + i,)), "e0", 4, now=i * 0.1)
+    history = tuple(range(20_000, 20_200))
+    warm(d, req("t1", history), "e0", 4, now=5.0)
+    decision = d.route(req("t2", (*history, 30_000)), view(*(ev(i) for i in range(4))), 60.0)
+    assert decision.engine == expected
+    assert (decision.expected_hit_tokens > 0) == prefix_only
+
+
 def test_kv_events_move_and_remove_what_the_index_believes() -> None:
     policy, d = make()
     assert policy.wants_cache_events is False
@@ -240,13 +259,14 @@ def test_bad_options_are_refused(bad: dict[str, object]) -> None:
 
 def test_a_long_prompt_is_not_priced_behind_a_deep_queue_by_a_stream_of_short_ones() -> None:
     """Aging: a stream of short requests gave e0 most of the recent traffic, so the share
-    penalty (10 cold prefills of the prompt per excess share) prices it far above e1, which
+    penalty charged on every engine (``share_prefix_only=false``, a price that grows with the
+    prompt; 10 cold prefills of it per excess share) prices it far above e1, which
     has 80,000 tokens queued (~8.7 s). A 60,000-token prompt (~6.5 s cold, no engine meets
     its 5 s target) still goes to e0: its wait may exceed the least-wait engine's by at most
     its own cold prefill (``wait_bound=1``). Without the bound it waits behind e1's queue."""
     long = req("long", tuple(range(5000, 5000 + 3750)))  # 60,000 tokens
     for bound, expected in ((1.0, "e0"), (0.0, "e1")):
-        _, d = make(wait_bound=bound)
+        _, d = make(wait_bound=bound, share_prefix_only=False)
         for i in range(100):
             warm(d, req(f"s{i}", (9000 + i,)), "e0", 2, now=float(i))
         v = view(ev(0), ev(1, pending_prefill_tokens=80_000))
@@ -264,7 +284,8 @@ def test_a_long_prompt_waits_beyond_the_least_wait_engine_at_most_a_share_of_its
     steered is tail (a Mooncake trace on 8 A6000 engines at its own rate: TTFT p99 8.9 s
     against least_loaded's 7.6, 7.3 with the cap). (None: the default.)"""
     long = req("long", tuple(range(5000, 5000 + 3750)))  # 60,000 tokens
-    _, d = make() if cap is None else make(wait_cap=cap)
+    # the unscoped share penalty stands for any price that grows with the prompt
+    _, d = make(share_prefix_only=False, **({} if cap is None else {"wait_cap": cap}))
     for i in range(100):
         warm(d, req(f"s{i}", (9000 + i,)), "e0", 2, now=float(i))
     v = view(ev(0), ev(1, pending_prefill_tokens=28_000))
