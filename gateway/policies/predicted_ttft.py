@@ -341,9 +341,9 @@ class PredictedTtftPolicy(PolicyBase):
 
     def _shared_depth(self, req: RequestInfo, engines: int) -> int:
         """Leading blocks of ``req``'s prompt that more than a fair share (+ slack) of recent
-        requests began with; every block counts when the penalty is not scoped to them."""
+        requests began with (0, unused, when the penalty is not scoped to them)."""
         if not self.config.share_prefix_only:
-            return len(req.block_hashes)
+            return 0
         fair = (1.0 + self.config.share_slack) / max(1, engines)
         return self.traffic.shared_depth(req.block_hashes, fair)
 
@@ -421,8 +421,9 @@ class PredictedTtftPolicy(PolicyBase):
         if (req.id, req.arrival) != self._last:  # once per request, not per leg
             self._turn += 1
             self._last = (req.id, req.arrival)
-            self.traffic.resize(self.config.share_window * max(1, self._engines))
-            self.traffic.observe(req.block_hashes)
+            if self.config.share_prefix_only:  # the count only scopes the share penalty
+                self.traffic.resize(self.config.share_window * max(1, self._engines))
+                self.traffic.observe(req.block_hashes)
         self._busy += (self._observed - self._busy) / self.config.busy_window
         self._reuse += (self._reuse_seen - self._reuse) / self.config.reuse_window
         if not self.wants_cache_events:  # with KV events the engines' stored blocks count
