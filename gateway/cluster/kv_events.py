@@ -15,7 +15,8 @@ as the engine's replay buffer reaches (vLLM's ``buffer_steps``, 10,000 batches);
 live batches the replay already delivered are then skipped. Until the first live batch
 arrives, the replay socket is asked again (from the last seq seen) at 0.5, 1, 2, 4 and 8 s:
 ZMQ's slow joiner drops what is published before the subscription reaches the publisher,
-and when nothing follows, no gap would ever show it.
+and when nothing follows, no gap would ever show it. When something does follow, a
+catch-up that found nothing from seq ``s`` on makes a first live batch past ``s`` a gap.
 
 Sequence numbers are tracked per (engine, rank). On a gap the subscriber asks
 the engine's replay socket (ROUTER) for the missing batches; without one, or
@@ -177,7 +178,8 @@ class KVEventSubscriber:
         self._stopping: set[asyncio.Task[None]] = set()
         self._seq: dict[tuple[str, int], int] = {}
         self._source_seq: dict[str, int] = {}
-        """The latest seq delivered from each publisher endpoint (one integer per source)."""
+        """The latest seq delivered from each publisher endpoint (one integer per source), or
+        one before the seq a catch-up that delivered nothing started from."""
         self._caught_up: set[tuple[str, int]] = set()
         self._catching: set[asyncio.Task[None]] = set()
         self._catch_done = asyncio.Event()
@@ -316,6 +318,8 @@ class KVEventSubscriber:
             return
         key = (src.engine, rank)
         last = self._seq.get(key)
+        if last is None:  # a catch-up that found nothing from some seq on sets where it began
+            last = self._source_seq.get(src.endpoint)
         if key in self._caught_up:
             if last is not None and seq <= last:
                 return  # the catch-up replay delivered it already
@@ -401,6 +405,9 @@ class KVEventSubscriber:
                 if len(frames) not in (2, 3) or len(frames[-2]) != 8:
                     raise ValueError(f"unexpected replay reply of {len(frames)} frames")
                 if frames[-2] == END_SEQ:
+                    # Nothing more was buffered from ``start`` on: a live batch past it
+                    # reveals batches the slow joiner dropped (one publisher, one rank).
+                    self._source_seq.setdefault(src.endpoint, start - 1)
                     break
                 seq = int.from_bytes(frames[-2], "big", signed=True)
                 rank, delta = decode_batch(frames[-1])

@@ -867,6 +867,29 @@ async def test_batches_lost_to_the_slow_joiner_with_nothing_after_them_are_repla
         await sub.aclose()
 
 
+async def test_batches_lost_to_the_slow_joiner_before_the_first_live_one_are_replayed(
+    make_pub: Callable[..., Publisher], collector: Collector
+) -> None:
+    """The catch-up found an empty buffer, the engine's first batches went out before the
+    subscription reached it, and a live batch came before the first join check: the
+    subscriber knows the sequence began at 0, so the live batch reveals the gap."""
+    pub = make_pub()
+    sub = KVEventSubscriber(collector, replay_timeout_s=0.5)
+    try:
+        sub.start([pub.source("e1")])
+        await wait_until(lambda: pub.replay_requests == [0])  # the catch-up: nothing yet
+        await asyncio.sleep(0.05)
+        await pub.send(stored([1]), drop=True)  # lost to the slow joiner
+        await pub.send(stored([2]), drop=True)
+        await pub.wait_subscribed()
+        await pub.send(stored([3]))  # live, well before the first join check (0.5 s)
+        await collector.wait(3, timeout=0.4)
+        assert [d.stored for d in collector.of("e1")] == [[1], [2], [3]]
+        assert pub.replay_requests == [0, 0] and (sub.gaps, sub.resets) == (1, 0)
+    finally:
+        await sub.aclose()
+
+
 async def test_catch_up_from_a_buffer_that_lost_its_oldest_batches(
     make_pub: Callable[..., Publisher], collector: Collector
 ) -> None:
