@@ -840,6 +840,13 @@ async def test_a_late_subscriber_catches_up_from_the_replay_buffer(
         await sub.aclose()
 
 
+async def start_on_an_empty_buffer(sub: KVEventSubscriber, pub: Publisher) -> None:
+    """Subscribe ``sub`` to ``pub`` as engine e1 and wait until its catch-up found nothing."""
+    sub.start([pub.source("e1")])
+    await wait_until(lambda: pub.replay_requests == [0])
+    await asyncio.sleep(0.05)
+
+
 async def test_batches_lost_to_the_slow_joiner_with_nothing_after_them_are_replayed(
     make_pub: Callable[..., Publisher], collector: Collector
 ) -> None:
@@ -849,9 +856,7 @@ async def test_batches_lost_to_the_slow_joiner_with_nothing_after_them_are_repla
     pub = make_pub()
     sub = KVEventSubscriber(collector, replay_timeout_s=0.5)
     try:
-        sub.start([pub.source("e1")])
-        await wait_until(lambda: pub.replay_requests == [0])  # the catch-up: nothing yet
-        await asyncio.sleep(0.05)
+        await start_on_an_empty_buffer(sub, pub)
         await pub.send(stored([1]), drop=True)
         await pub.send(stored([2]), drop=True)
         await collector.wait(2)
@@ -876,9 +881,7 @@ async def test_batches_lost_to_the_slow_joiner_before_the_first_live_one_are_rep
     pub = make_pub()
     sub = KVEventSubscriber(collector, replay_timeout_s=0.5)
     try:
-        sub.start([pub.source("e1")])
-        await wait_until(lambda: pub.replay_requests == [0])  # the catch-up: nothing yet
-        await asyncio.sleep(0.05)
+        await start_on_an_empty_buffer(sub, pub)
         await pub.send(stored([1]), drop=True)  # lost to the slow joiner
         await pub.send(stored([2]), drop=True)
         await pub.wait_subscribed()
